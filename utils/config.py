@@ -1,0 +1,411 @@
+"""Named YAML configs -> typed dataclasses, with any key overridable on the command line.
+
+``config/swinir.yaml`` holds named configs; each is a flat mapping that may start from another
+one with YAML's merge key (``<<: *base``), as in NERSC's tutorials. A script does::
+
+    cfg = parse_config(description=__doc__)            # --config NAME plus --any_key VALUE
+
+and gets a :class:`Config` whose sections (``cfg.data``, ``cfg.model``, ``cfg.train``,
+``cfg.dist``, ``cfg.profile``) are dataclasses with one documented field per key. Keys are
+unique across sections, so the command line and the YAML stay flat: ``--batch_size 4``.
+Unknown keys, unknown config names and values of the wrong type are errors that say what is valid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import json
+import sys
+import textwrap
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
+DEFAULT_CONFIG_FILE = CONFIG_DIR / "swinir.yaml"
+
+
+class ConfigError(ValueError):
+    """A config problem, reported as one line that says what to do."""
+
+
+@dataclass
+class DataConfig:
+    data_dir: str = "datasets/era5"
+    """Root of the data: holds one folder per split with one HDF5 file per year."""
+    train_split: str = "train"
+    """Folder under data_dir with the training files."""
+    valid_split: str = "valid_1"
+    """Folder under data_dir with the validation files."""
+    task: Literal["sr", "forecast"] = "sr"
+    """sr: (low-res, high-res) pairs; forecast: (sample t, sample t+1) pairs."""
+    crop_size: int = 128
+    """High-resolution crop side in pixels; 0 trains on whole 720x1440 fields."""
+    n_patches: int = 8
+    """Random crops per day and epoch (SuperBench uses 8); ignored for whole fields."""
+    num_workers: int = 4
+    """DataLoader worker processes per rank (0 loads in the training process)."""
+    pin_memory: bool = True
+    """Page-locked host buffers for faster host-to-GPU copies (ignored on CPU)."""
+    persistent_workers: bool = True
+    """Keep workers (and their open HDF5 files) alive between epochs."""
+    prefetch_factor: int = 2
+    """Batches each worker loads ahead."""
+    drop_last: bool = True
+    """Drop the last incomplete training batch so every step has the full global batch."""
+    val_samples: int = 64
+    """Validation samples evaluated at each validation (0 = the whole split)."""
+    val_batch_size: int = 0
+    """Validation batch size per rank; 0 = the training batch size per rank."""
+
+
+@dataclass
+class ModelConfig:
+    model: Literal["swinir"] = "swinir"
+    """Architecture to build (models/__init__.py:build_model)."""
+    upscale: int = 2
+    """Super-resolution factor; the data's low-res input is the high-res field downsampled by it."""
+    in_chans: int = 3
+    """Input and output channels (ERA5: kinetic energy, temperature, water vapour)."""
+    img_size: int = 64
+    """Low-res training size the original SwinIR expects; any input size works."""
+    window_size: int = 8
+    """Side of the attention window in tokens."""
+    img_range: float = 1.0
+    """Scale of the (normalised) input, as in the original SwinIR."""
+    depths: list[int] = field(default_factory=lambda: [6, 6, 6, 6, 6, 6])
+    """Swin blocks in each residual Swin transformer block (RSTB)."""
+    embed_dim: int = 180
+    """Channels of the token embedding."""
+    num_heads: list[int] = field(default_factory=lambda: [6, 6, 6, 6, 6, 6])
+    """Attention heads in each RSTB."""
+    mlp_ratio: float = 2.0
+    """Hidden width of the MLP relative to embed_dim."""
+    qkv_bias: bool = True
+    """Bias in the query/key/value projection."""
+    drop_path_rate: float = 0.1
+    """Stochastic-depth rate (0 makes runs comparable step by step)."""
+    upsampler: Literal["pixelshuffle", "pixelshuffledirect", "nearest+conv", ""] = "pixelshuffle"
+    """Reconstruction head; "" for no upsampling."""
+    resi_connection: Literal["1conv", "3conv"] = "1conv"
+    """Convolution at the end of each RSTB."""
+    mean: list[float] = field(default_factory=lambda: [6.3024, 278.3945, 18.4262])
+    """Per-channel mean subtracted inside the model (SuperBench's ERA5 values)."""
+    std: list[float] = field(default_factory=lambda: [3.7376, 21.0588, 16.4687])
+    """Per-channel std divided inside the model (SuperBench's ERA5 values)."""
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 0
+    """Seed for weights, data order and crops: same seed, same run."""
+    batch_size: int = 16
+    """Global batch size: summed over all ranks (each takes batch_size / world_size)."""
+    epochs: int = 2
+    """Passes over the training set (unless max_steps is set)."""
+    max_steps: int = 0
+    """Total optimizer steps; overrides epochs when > 0."""
+    lr: float = 8e-4
+    """AdamW learning rate for the global batch_size."""
+    weight_decay: float = 1e-6
+    """AdamW weight decay."""
+    lr_gamma: float = 0.97
+    """ExponentialLR decay applied once per epoch."""
+    loss: Literal["l1", "mse"] = "l1"
+    """Training loss, in physical units."""
+    amp_dtype: Literal["none", "bf16", "fp16"] = "none"
+    """Autocast dtype for mixed precision (fp16 adds a GradScaler)."""
+    ac: Literal["none", "block", "layer"] = "none"
+    """Activation checkpointing per Swin block or per RSTB (layer)."""
+    compile: bool = False
+    """torch.compile the model."""
+    tf32: bool = True
+    """Allow TF32 matmuls/convolutions on CUDA (no effect on CPU)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: CUDA if available, else CPU."""
+    log_every: int = 10
+    """Steps between training log records."""
+    val_every: int = 0
+    """Steps between validations; 0 = at the end of each epoch."""
+    ckpt_every: int = 0
+    """Steps between checkpoints; 0 = at the end of each epoch (and always at the end)."""
+    keep_checkpoints: int = 2
+    """Most recent checkpoints kept on disk."""
+    run_dir: str = "runs/default"
+    """Folder for metrics.jsonl, TensorBoard events, checkpoints, samples and profiles."""
+    resume: bool = False
+    """Continue from the latest checkpoint in run_dir/checkpoints."""
+    progress: Literal["auto", "on", "off"] = "auto"
+    """Progress bar: auto shows it when stdout is a terminal."""
+
+
+@dataclass
+class DistConfig:
+    lr_scaling: Literal["none", "sqrt", "linear"] = "none"
+    """Scale lr with batch_size / base_batch_size (none keeps lr as given)."""
+    base_batch_size: int = 16
+    """Batch size that lr was tuned for (used by lr_scaling)."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up steps (0 = none)."""
+    bucket_cap_mb: float = 25.0
+    """DDP gradient bucket size in MiB."""
+    broadcast_buffers: bool = False
+    """DDP: re-broadcast buffers from rank 0 every forward (SwinIR's buffers are constants)."""
+    gradient_as_bucket_view: bool = True
+    """DDP: gradients are views into the communication buckets (saves one copy)."""
+    static_graph: bool = False
+    """DDP: the set of used parameters never changes between steps."""
+    no_ddp: bool = False
+    """Skip the gradient all-reduce (ranks drift apart): measures communication overhead only."""
+    fsdp_unit: Literal["block", "layer"] = "block"
+    """FSDP2: fully_shard each Swin block or each RSTB (layer), then the root."""
+    param_dtype: Literal["fp32", "bf16"] = "fp32"
+    """FSDP2 MixedPrecisionPolicy parameter/compute dtype."""
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """FSDP2 MixedPrecisionPolicy gradient reduce-scatter dtype."""
+    reshard_after_forward: bool = True
+    """FSDP2: free gathered parameters after forward (ZeRO-3) or keep them (ZeRO-2)."""
+    hsdp_replicas: int = 1
+    """HSDP: >1 builds a 2-D mesh (replicas x shards): replicate across, shard within."""
+    dist_timeout_s: float = 300.0
+    """Collective timeout in seconds: a job whose peer died fails instead of hanging."""
+
+
+@dataclass
+class ProfileConfig:
+    profile: bool = False
+    """Record a torch.profiler trace of a few steps."""
+    profile_wait: int = 1
+    """Profiler schedule: steps skipped before warm-up."""
+    profile_warmup: int = 1
+    """Profiler schedule: steps recorded but discarded."""
+    profile_active: int = 3
+    """Profiler schedule: steps recorded and exported."""
+    memory_timeline: bool = True
+    """With profile: also export the memory timeline by category (HTML)."""
+    memory_snapshot: bool = False
+    """Record CUDA memory history and dump a snapshot for pytorch.org/memory_viz (CUDA only)."""
+    memory_snapshot_entries: int = 100000
+    """Allocation events kept by the CUDA memory history."""
+    nsys: bool = False
+    """Emit NVTX ranges and cudaProfilerStart/Stop around the profiled steps (run under nsys)."""
+
+
+SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "dist": DistConfig, "profile": ProfileConfig}
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    name: str = "default"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Flat {key: value}, the form of the YAML and the command line."""
+        flat: dict[str, Any] = {"config": self.name}
+        for section in SECTIONS:
+            flat.update(dataclasses.asdict(getattr(self, section)))
+        return flat
+
+
+def _key_index() -> dict[str, tuple[str, dataclasses.Field]]:
+    index: dict[str, tuple[str, dataclasses.Field]] = {}
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            assert f.name not in index, f"config key {f.name} appears in two sections"
+            index[f.name] = (section, f)
+    return index
+
+
+KEYS = _key_index()
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each dataclass field (used for --help)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Check/convert one value against its field type; raise ConfigError with the valid choices."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(repr(a) for a in args)}")
+        return value
+    if origin is typing.Union and type(None) in args:
+        return None if value is None else _coerce(key, value, next(a for a in args if a is not type(None)))
+    if origin is list:
+        if isinstance(value, str):
+            parsed = _parse_value(value)
+            value = parsed if isinstance(parsed, list) else value.replace(",", " ").split()
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(key, v, args[0]) for v in value]
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value.lstrip("-").isdigit())):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return int(value)
+    if annotation is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+    if annotation is str:
+        return str(value)
+    raise AssertionError(f"unsupported config type {annotation} for {key}")
+
+
+def _resolved_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def load_named_configs(path: Path = DEFAULT_CONFIG_FILE) -> dict[str, dict[str, Any]]:
+    """All named configs of a YAML file (names starting with '_' or 'base' anchors are kept too)."""
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    with open(path) as f:
+        try:
+            configs = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(configs, dict) or not all(isinstance(v, dict) for v in configs.values()):
+        raise ConfigError(f"{path} must map config names to mappings of keys")
+    return configs
+
+
+def build_config(name: str, overrides: Optional[dict[str, Any]] = None, path: Path = DEFAULT_CONFIG_FILE) -> Config:
+    """The named config with overrides applied, validated."""
+    configs = load_named_configs(path)
+    if name not in configs:
+        raise ConfigError(f"unknown config {name!r} in {path.name}; valid: {', '.join(configs)}")
+    values = dict(configs[name])
+    values.update(overrides or {})
+    sections: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    unknown = [k for k in values if k not in KEYS]
+    if unknown:
+        raise ConfigError(
+            f"unknown config key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(KEYS))}"
+        )
+    for key, value in values.items():
+        section, _ = KEYS[key]
+        hint = _resolved_types(SECTIONS[section])[key]
+        sections[section][key] = _coerce(key, value, hint)
+    cfg = Config(**{s: SECTIONS[s](**kv) for s, kv in sections.items()}, name=name)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Value checks that types alone do not catch."""
+    d, m, t = cfg.data, cfg.model, cfg.train
+    positive = {"batch_size": t.batch_size, "upscale": m.upscale, "window_size": m.window_size,
+                "embed_dim": m.embed_dim, "in_chans": m.in_chans, "n_patches": d.n_patches}
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key} must be > 0, got {value}")
+    for key in ("max_steps", "epochs", "log_every", "val_every", "ckpt_every", "num_workers", "val_samples", "val_batch_size", "crop_size"):
+        value = {**dataclasses.asdict(d), **dataclasses.asdict(t)}[key]
+        if value < 0:
+            raise ConfigError(f"{key} must be >= 0, got {value}")
+    if t.max_steps == 0 and t.epochs == 0:
+        raise ConfigError("set epochs > 0 or max_steps > 0")
+    if d.crop_size and d.crop_size % m.upscale:
+        raise ConfigError(f"crop_size {d.crop_size} must be divisible by upscale {m.upscale}")
+    if len(m.depths) != len(m.num_heads):
+        raise ConfigError(f"depths {m.depths} and num_heads {m.num_heads} must have the same length")
+    if m.embed_dim % max(m.num_heads) or any(m.embed_dim % h for h in m.num_heads):
+        raise ConfigError(f"embed_dim {m.embed_dim} must be divisible by every num_heads {m.num_heads}")
+    if len(m.mean) != m.in_chans or len(m.std) != m.in_chans:
+        raise ConfigError(f"mean and std need {m.in_chans} values (in_chans)")
+    if any(s <= 0 for s in m.std):
+        raise ConfigError(f"std must be > 0, got {m.std}")
+    if t.lr <= 0:
+        raise ConfigError(f"lr must be > 0, got {t.lr}")
+
+
+def _parse_value(text: str) -> Any:
+    """Command-line values use YAML syntax: 4, 1e-3, true, [6,6], bf16."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+    """--config NAME, --config_file PATH, and one --key per config field (documented in --help)."""
+    parser.add_argument("--config", default="quickstart", help="named config in the config file (default: quickstart)")
+    parser.add_argument("--config_file", default=str(DEFAULT_CONFIG_FILE), help="YAML file with named configs")
+    for section, cls in SECTIONS.items():
+        group = parser.add_argument_group(f"{section} (override any key of the named config)")
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            group.add_argument(f"--{f.name}", dest=f"cfg__{f.name}", metavar="V", default=argparse.SUPPRESS,
+                               type=_parse_value, help=docs.get(f.name, ""))
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    overrides = {k[len("cfg__"):]: v for k, v in vars(args).items() if k.startswith("cfg__")}
+    return build_config(args.config, overrides, Path(args.config_file))
+
+
+class _OneLineErrorParser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:
+        if "unrecognized arguments" in message:
+            message += f"; valid keys: {', '.join(sorted(KEYS))} (see --help)"
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_config(description: str = "", argv: Optional[list[str]] = None, extra_args=None) -> Config | tuple[Config, argparse.Namespace]:
+    """Parse ``--config NAME --key value ...``; exit with a one-line error on bad input.
+
+    ``extra_args(parser)`` may add script-specific options; then (cfg, args) is returned.
+    """
+    first_line = (description or "").strip().splitlines()[0] if description else None
+    parser = _OneLineErrorParser(description=first_line, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    if extra_args is not None:
+        extra_args(parser)
+    add_config_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    return (cfg, args) if extra_args is not None else cfg
+
+
+def dump_config(cfg: Config) -> str:
+    return json.dumps(cfg.to_dict(), sort_keys=False)
+
+
+if __name__ == "__main__":  # python -m utils.config --config NAME [overrides]: print the merged config
+    print(yaml.safe_dump(parse_config(sys.modules[__name__].__doc__).to_dict(), sort_keys=False))

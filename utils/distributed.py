@@ -1,0 +1,156 @@
+"""The one place that maps the launch environment (torchrun or SLURM) to ranks and devices.
+
+Rules that earlier tutorials got wrong and this module gets right:
+- the device comes from the *local* rank (``torch.cuda.set_device(local_rank)``), never the
+  global rank, which exceeds the GPU count on every node but the first;
+- samplers take the *global* rank and world size, so ranks on different nodes read different data.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job."""
+
+    rank: int = 0
+    """Global rank, 0 .. world_size-1: use it for samplers and for "only rank 0 writes"."""
+    local_rank: int = 0
+    """Rank within the node: use it to pick the GPU."""
+    world_size: int = 1
+    """Number of processes in the job."""
+    local_world_size: int = 1
+    """Number of processes on this node."""
+    node_rank: int = 0
+    """Index of this node in the job."""
+    source: str = "single"
+    """Which variables these came from: "torchrun", "slurm" or "single"."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // max(1, self.local_world_size))
+
+
+def _int_env(name: str, environ) -> int:
+    value = environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _slurm_tasks_per_node(environ) -> int:
+    # SLURM_NTASKS_PER_NODE is only set when requested explicitly; SLURM_TASKS_PER_NODE is
+    # always set, in the compressed form "4(x2)" or "4,3".
+    if "SLURM_NTASKS_PER_NODE" in environ:
+        return _int_env("SLURM_NTASKS_PER_NODE", environ)
+    first = environ.get("SLURM_TASKS_PER_NODE", "1").split(",")[0]
+    return int(first.split("(")[0])
+
+
+def read_dist_env(environ=None) -> DistEnv:
+    """Ranks from torchrun's variables, else from SLURM's (``srun`` one task per GPU), else one process.
+
+    torchrun wins when both are present: inside an ``srun ... torchrun`` job SLURM_PROCID is the
+    node's task id, not the process rank.
+    """
+    environ = os.environ if environ is None else environ
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        rank = _int_env("RANK", environ)
+        local_rank = _int_env("LOCAL_RANK", environ) if "LOCAL_RANK" in environ else 0
+        world_size = _int_env("WORLD_SIZE", environ)
+        local_world_size = (
+            _int_env("LOCAL_WORLD_SIZE", environ) if "LOCAL_WORLD_SIZE" in environ else world_size
+        )
+        node_rank = _int_env("GROUP_RANK", environ) if "GROUP_RANK" in environ else rank // local_world_size
+        return DistEnv(rank, local_rank, world_size, local_world_size, node_rank, "torchrun")
+    if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
+        rank = _int_env("SLURM_PROCID", environ)
+        world_size = _int_env("SLURM_NTASKS", environ)
+        local_rank = _int_env("SLURM_LOCALID", environ) if "SLURM_LOCALID" in environ else 0
+        local_world_size = _slurm_tasks_per_node(environ)
+        node_rank = _int_env("SLURM_NODEID", environ) if "SLURM_NODEID" in environ else 0
+        if world_size > 1:
+            return DistEnv(rank, local_rank, world_size, local_world_size, node_rank, "slurm")
+    return DistEnv()
+
+
+def device_for(env: DistEnv) -> torch.device:
+    """The device this process should use: GPU number ``local_rank`` if CUDA is available, else CPU."""
+    if torch.cuda.is_available():
+        if env.local_rank >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"local rank {env.local_rank} but only {torch.cuda.device_count()} GPUs are visible on "
+                f"{socket.gethostname()}: launch at most one process per GPU (--nproc-per-node)"
+            )
+        return torch.device("cuda", env.local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(timeout_s: float = 300.0) -> tuple[DistEnv, torch.device]:
+    """Read the environment, pick the device and, for more than one process, join the process group.
+
+    nccl on GPUs, gloo on CPU. The bounded timeout makes a job whose peer died fail instead of hanging.
+    For SLURM-only launches (srun, one task per GPU) MASTER_ADDR/MASTER_PORT must be exported.
+    """
+    env = read_dist_env()
+    device = device_for(env)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if env.world_size > 1 and not dist.is_initialized():
+        if env.source == "slurm":
+            os.environ.setdefault("RANK", str(env.rank))
+            os.environ.setdefault("WORLD_SIZE", str(env.world_size))
+            os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
+            if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+                raise RuntimeError(
+                    "launched by srun without torchrun: export MASTER_ADDR (first host of the "
+                    "allocation) and MASTER_PORT, or launch with torchrun"
+                )
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend=backend,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return env, device
+
+
+def cleanup_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
+    """Mean over ranks (a no-op for one process); the input is left unchanged."""
+    if not dist.is_initialized():
+        return value
+    value = value.detach().clone()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value / dist.get_world_size()
+
+
+def all_reduce_max(value: float, device: torch.device) -> float:
+    """Largest value over ranks (e.g. peak memory)."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor(float(value), device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
