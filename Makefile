@@ -25,7 +25,9 @@ $(QUICKSTART_DATA)/valid: | $(VENV)/.installed
 train: $(VENV)/.installed data
 	$(PY) train.py --config quickstart
 
+# Test dependencies beyond pip (slurm-wlm, munge, shellcheck) come from apt when running as root.
 test: $(VENV)/.installed
+	bash tests/install_slurm.sh
 	$(PY) -m pytest -q tests
 
 clean:

@@ -141,7 +141,7 @@ class TrainConfig:
     """Folder for metrics.jsonl, TensorBoard events, checkpoints, samples and profiles."""
     resume: bool = False
     """Continue from the latest checkpoint in run_dir/checkpoints."""
-    progress: Literal["auto", "on", "off"] = "auto"
+    progress: Literal["auto", "always", "never"] = "auto"
     """Progress bar: auto shows it when stdout is a terminal."""
 
 
@@ -368,9 +368,12 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(f"{section} (override any key of the named config)")
         docs = field_docs(cls)
+        hints = _resolved_types(cls)
         for f in dataclasses.fields(cls):
+            # A bare boolean flag means true: --resume == --resume true.
+            flag = {"nargs": "?", "const": True} if hints[f.name] is bool else {}
             group.add_argument(f"--{f.name}", dest=f"cfg__{f.name}", metavar="V", default=argparse.SUPPRESS,
-                               type=_parse_value, help=docs.get(f.name, ""))
+                               type=_parse_value, help=docs.get(f.name, ""), **flag)
 
 
 def config_from_args(args: argparse.Namespace) -> Config:

@@ -1,0 +1,177 @@
+"""Time one SwinIR training step and compare its FLOP rate with the device's measured matmul peak.
+
+A step is forward + L1 loss + backward + AdamW step on random low-res inputs (batch --batch_size,
+--size x --size pixels) of the named config's model (default: the tutorial's 11.75M SwinIR).
+FLOPs per step are counted with torch.utils.flop_counter.FlopCounterMode (matmuls, convolutions
+and attention; multiply and add counted separately). The matmul peak is measured in the same run
+on the same device with large square matmuls (fp32, and bf16 where the device supports it), and
+the fraction of peak is (FLOPs per step / seconds per step) / peak for the step's dtype.
+
+    python benchmarks/bench_model.py                       # tutorial model, LR 64x64, batch 1
+    python benchmarks/bench_model.py --dtype bf16          # under bf16 autocast, vs the bf16 peak
+    python benchmarks/bench_model.py --config quickstart --size 16 --steps 1 --warmup 1   # tiny
+
+The last line printed is one JSON object (sec_per_step, flops_per_step, matmul_peak_flops,
+fraction_of_peak, and more).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from models import build_model, count_parameters  # noqa: E402
+from utils.config import ConfigError, build_config  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--config", default="baseline", help="named config whose model section is timed")
+    parser.add_argument("--size", type=int, default=64, help="low-res input side in pixels")
+    parser.add_argument("--batch_size", type=int, default=1, help="samples per step")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (the median is reported)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="bf16 runs the step under autocast")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--drop_path_rate", type=float, default=None,
+                        help="override the config's stochastic depth rate (default: keep it)")
+    parser.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA (peak and step alike)")
+    parser.add_argument("--peak_seconds", type=float, default=0.3, help="time spent per matmul size for the peak")
+    args = parser.parse_args(argv)
+    for name in ("size", "batch_size", "steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available here (use --device cpu)")
+    return args
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def supports_bf16_matmul(device: torch.device) -> bool:
+    """bf16 matmuls run natively: CUDA with bf16 support, or a CPU with AVX512-BF16/AMX."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return any(flag in flags for flag in ("avx512_bf16", "amx_bf16"))
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype, min_seconds: float = 0.3) -> tuple[float, int]:
+    """Best FLOP/s (and the size reaching it) of square matmuls on device."""
+    sizes = (1024, 2048, 4096) if device.type == "cpu" else (4096, 8192)
+    best = (0.0, 0)
+    for n in sizes:
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        torch.mm(a, b)
+        synchronize(device)
+        reps, elapsed = 0, 0.0
+        start = time.perf_counter()
+        while elapsed < min_seconds:
+            torch.mm(a, b)
+            synchronize(device)
+            reps += 1
+            elapsed = time.perf_counter() - start
+        best = max(best, (2 * n ** 3 * reps / elapsed, n))
+    return best
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    if args.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    dtype = DTYPES[args.dtype]
+    if dtype == torch.bfloat16 and not supports_bf16_matmul(device):
+        print(f"error: --dtype bf16: this {device.type} has no native bf16 matmuls; use --dtype fp32", file=sys.stderr)
+        return 2
+    try:
+        cfg = build_config(args.config)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.drop_path_rate is not None:
+        cfg.model.drop_path_rate = args.drop_path_rate
+
+    torch.manual_seed(0)
+    model = build_model(cfg).to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
+                                  fused=True)
+    mean = torch.tensor(cfg.model.mean, device=device).view(1, -1, 1, 1)
+    std = torch.tensor(cfg.model.std, device=device).view(1, -1, 1, 1)
+    shape = (args.batch_size, cfg.model.in_chans, args.size, args.size)
+    low_res = torch.randn(shape, device=device) * std + mean  # physical units, as the dataset gives
+    high_res = F.interpolate(low_res, scale_factor=cfg.model.upscale, mode="bicubic", align_corners=False)
+
+    def forward_backward():
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            loss = F.l1_loss(model(low_res), high_res)
+        loss.backward()
+
+    def step():
+        forward_backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    peak_flops, peak_n = matmul_peak(device, dtype, args.peak_seconds)
+    with FlopCounterMode(display=False) as counter:
+        forward_backward()
+    optimizer.zero_grad(set_to_none=True)
+    flops_per_step = counter.get_total_flops()
+
+    for _ in range(args.warmup):
+        step()
+    times = []
+    for _ in range(args.steps):
+        synchronize(device)
+        start = time.perf_counter()
+        step()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    sec_per_step = statistics.median(times)
+    # Measured again after the steps: the larger value is the peak (another process may load the CPU).
+    peak_flops, peak_n = max((peak_flops, peak_n), matmul_peak(device, dtype, args.peak_seconds))
+    bf16_peak = (matmul_peak(device, torch.bfloat16, args.peak_seconds)[0] if dtype == torch.float32 and supports_bf16_matmul(device)
+                 else peak_flops if dtype == torch.bfloat16 else None)
+    fraction = flops_per_step / sec_per_step / peak_flops
+
+    threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"device: {name}{threads}; torch {torch.__version__}")
+    print(f"model: config {args.config!r}, {count_parameters(model):,} parameters, "
+          f"drop_path_rate {cfg.model.drop_path_rate}; LR {args.size}x{args.size}, batch {args.batch_size}, {args.dtype}")
+    print(f"matmul peak {args.dtype}: {peak_flops / 1e9:.1f} GFLOP/s (n={peak_n})"
+          + (f"; bf16: {bf16_peak / 1e9:.1f} GFLOP/s" if bf16_peak and dtype == torch.float32 else ""))
+    print(f"model FLOPs per step: {flops_per_step / 1e9:.1f} GFLOP (forward + backward)")
+    print(f"seconds per step: {sec_per_step:.4f} (median of {args.steps}; min {min(times):.4f}, max {max(times):.4f})")
+    print(f"samples per second: {args.batch_size / sec_per_step:.2f}")
+    print(f"achieved: {flops_per_step / sec_per_step / 1e9:.1f} GFLOP/s = {fraction:.3f} of the {args.dtype} matmul peak")
+    print(json.dumps({
+        "sec_per_step": sec_per_step, "flops_per_step": flops_per_step, "matmul_peak_flops": peak_flops,
+        "fraction_of_peak": fraction, "samples_per_sec": args.batch_size / sec_per_step,
+        "bf16_matmul_peak_flops": bf16_peak, "dtype": args.dtype, "device": name,
+        "batch_size": args.batch_size, "size": args.size, "config": args.config,
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+#!/bin/bash
+# Multi-node training (tutorial Steps 4-5): N nodes x 4 GPUs, one srun task per node, each running
+# torchrun with the c10d rendezvous on the first node of the allocation. Submit from the repository root:
+#
+#   sbatch [SBATCH OPTIONS] submit_multinode.sh SCRIPT.py [SCRIPT ARGUMENTS...]
+#   sbatch --nodes 4 submit_multinode.sh train_ddp.py --config baseline
+#   sbatch submit_multinode.sh comm_check.py                   # network check before a long run
+#
+# Options on the sbatch command line win over the #SBATCH lines below (--nodes, --time, ...). The
+# account, partition and constraint are best given through sbatch's own variables, e.g. in ~/.bashrc:
+#   Kestrel:    export SBATCH_ACCOUNT=<project>     (jobs are routed to the GPU partition by the request)
+#   Perlmutter: export SBATCH_ACCOUNT=<project> SBATCH_CONSTRAINT=gpu SBATCH_QOS=regular
+# Nodes without GPUs (e.g. the local test cluster: add --gpus-per-node=0) run CPU processes with gloo.
+#SBATCH --job-name=swinir-multinode
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=4
+#SBATCH --exclusive
+#SBATCH --time=00:30:00
+#SBATCH --output=%x-%j.out
+
+# ---- Settings: edit here, or set them in the environment of sbatch (SITE=kestrel sbatch ...) -------
+# SITE picks the defaults of the settings below: kestrel, perlmutter or generic (any other SLURM).
+SITE=${SITE:-generic}
+# Python environment: a virtualenv directory (has pyvenv.cfg) or a conda environment name or path;
+# empty = the python already on PATH (e.g. from a module).
+PYTHON_ENV=${PYTHON_ENV-swinir}
+# Processes per node: "auto" = one per GPU SLURM gave the job on a node, CPU_NPROC_PER_NODE without GPUs.
+NPROC_PER_NODE=${NPROC_PER_NODE:-auto}
+CPU_NPROC_PER_NODE=${CPU_NPROC_PER_NODE:-2}
+# Rendezvous port on the first node; derived from the job id so that jobs sharing a host do not collide.
+RDZV_PORT=${RDZV_PORT:-$((29500 + ${SLURM_JOB_ID:-0} % 1000))}
+# torchrun on every node, or python: a single process without torchrun (what submit_singlegpu.sh sets).
+LAUNCHER=${LAUNCHER:-torchrun}
+
+case "$SITE" in
+  kestrel)
+    # Modules to load, space separated (the conda of the cluster); `module avail` lists the names.
+    MODULES=${MODULES-anaconda3}
+    # Slingshot: NCCL needs the aws-ofi-nccl plugin; point NCCL_PLUGIN_DIR at its lib/ if your
+    # environment does not bring it. GPUDirect RDMA to the NICs had to be limited (LOC) for NCCL to run.
+    NCCL_PLUGIN_DIR=${NCCL_PLUGIN_DIR-}
+    export NCCL_NET_GDR_LEVEL=${NCCL_NET_GDR_LEVEL:-LOC}
+    ;;
+  perlmutter)
+    # NERSC's conda module. Slingshot needs NCCL's aws-ofi-nccl plugin (NCCL_PLUGIN_DIR), which NERSC's
+    # own PyTorch brings: MODULES=pytorch PYTHON_ENV= uses it instead of a conda environment.
+    MODULES=${MODULES-conda}
+    NCCL_PLUGIN_DIR=${NCCL_PLUGIN_DIR-}
+    # HDF5 file locking fails on Perlmutter's file systems when many ranks open the same file.
+    export HDF5_USE_FILE_LOCKING=${HDF5_USE_FILE_LOCKING:-FALSE}
+    ;;
+  generic)
+    MODULES=${MODULES-}
+    NCCL_PLUGIN_DIR=${NCCL_PLUGIN_DIR-}
+    ;;
+  *)
+    echo "error: SITE=$SITE is not one of kestrel, perlmutter, generic" >&2
+    exit 2
+    ;;
+esac
+# ------------------------------------------------------------------------------------------------------
+set -euo pipefail
+
+die() {
+  echo "error: $*" >&2
+  exit 2
+}
+
+[[ -n ${SLURM_JOB_ID:-} ]] || die "submit this script with sbatch (see the usage at its top)"
+[[ $# -ge 1 ]] || die "no script to run: sbatch submit_multinode.sh SCRIPT.py [ARGUMENTS...]"
+cd "$SLURM_SUBMIT_DIR"
+[[ -f $1 ]] || die "$1 not found in $SLURM_SUBMIT_DIR: submit from the repository root"
+
+if [[ -n $MODULES ]]; then
+  # shellcheck disable=SC2086  # a list of module names
+  module load $MODULES
+fi
+if [[ -n $NCCL_PLUGIN_DIR ]]; then
+  export LD_LIBRARY_PATH=$NCCL_PLUGIN_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
+
+activate_python_env() {
+  # Activation scripts read unset variables; relax -u while they run.
+  set +u
+  if [[ -f $PYTHON_ENV/pyvenv.cfg ]]; then
+    # shellcheck disable=SC1091  # the path is only known at run time
+    source "$PYTHON_ENV/bin/activate"
+  elif command -v conda >/dev/null; then
+    eval "$(conda shell.bash hook)"
+    conda activate "$PYTHON_ENV" || die "conda cannot activate PYTHON_ENV=$PYTHON_ENV"
+  else
+    die "PYTHON_ENV=$PYTHON_ENV is neither a virtualenv directory nor usable with conda (not on PATH)"
+  fi
+  set -u
+}
+[[ -z $PYTHON_ENV ]] || activate_python_env
+command -v "$LAUNCHER" >/dev/null || die "$LAUNCHER not found: set PYTHON_ENV to an environment with PyTorch"
+
+gpus_per_node=${SLURM_GPUS_ON_NODE:-0}
+if [[ $LAUNCHER == python ]]; then
+  echo "job $SLURM_JOB_ID: 1 process on ${SLURMD_NODENAME:-$(hostname)}, $gpus_per_node GPUs, site $SITE"
+  echo "running: python $*"
+  exec python "$@"
+fi
+[[ $LAUNCHER == torchrun ]] || die "LAUNCHER=$LAUNCHER is not one of torchrun, python"
+if [[ $NPROC_PER_NODE == auto ]]; then
+  if ((gpus_per_node > 0)); then NPROC_PER_NODE=$gpus_per_node; else NPROC_PER_NODE=$CPU_NPROC_PER_NODE; fi
+fi
+if ((gpus_per_node == 0)); then
+  # CPU processes share the node's cores; torchrun would otherwise give each a single thread.
+  threads=$((SLURM_CPUS_ON_NODE / NPROC_PER_NODE))
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((threads > 0 ? threads : 1))}
+fi
+
+# The first node hosts the rendezvous. A node name that does not resolve (emulated nodes sharing a
+# host) is replaced by the address SLURM itself uses for that node.
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+rdzv_host=$head_node
+if ! getent hosts "$head_node" >/dev/null; then
+  rdzv_host=$(scontrol show node "$head_node" | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p')
+fi
+
+echo "job $SLURM_JOB_ID: $SLURM_JOB_NUM_NODES nodes ($SLURM_JOB_NODELIST) x $NPROC_PER_NODE processes," \
+  "$gpus_per_node GPUs per node, site $SITE, rendezvous $rdzv_host:$RDZV_PORT"
+echo "running: $*"
+
+# srun does not pass sbatch's CPU count on to the step (Slurm >= 22.05): give each node task all of them.
+srun --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" \
+  --kill-on-bad-exit=1 \
+  torchrun \
+  --nnodes="$SLURM_JOB_NUM_NODES" \
+  --nproc-per-node="$NPROC_PER_NODE" \
+  --rdzv-backend=c10d \
+  --rdzv-endpoint="$rdzv_host:$RDZV_PORT" \
+  --rdzv-id="$SLURM_JOB_ID" \
+  --max-restarts=0 \
+  "$@"

@@ -1,0 +1,25 @@
+#!/bin/bash
+# One GPU, one process (tutorial Steps 0-3). Submit from the repository root; arguments pass through:
+#
+#   sbatch [SBATCH OPTIONS] submit_singlegpu.sh SCRIPT.py [SCRIPT ARGUMENTS...]
+#   sbatch submit_singlegpu.sh train.py --config baseline
+#
+# Site settings (SITE, PYTHON_ENV, MODULES, ...) are the ones documented at the top of
+# submit_multinode.sh, which this job runs with LAUNCHER=python. Account, partition and constraint as
+# there: SBATCH_ACCOUNT, SBATCH_CONSTRAINT=gpu and SBATCH_QOS=shared (Perlmutter: a quarter node).
+#SBATCH --job-name=swinir-1gpu
+#SBATCH --nodes=1
+#SBATCH --ntasks=1
+#SBATCH --gpus-per-node=1
+#SBATCH --cpus-per-task=32
+#SBATCH --time=01:00:00
+#SBATCH --output=%x-%j.out
+set -euo pipefail
+
+launcher=${SLURM_SUBMIT_DIR:-.}/submit_multinode.sh
+if [[ -z ${SLURM_JOB_ID:-} || ! -f $launcher ]]; then
+  echo "error: submit this script with sbatch from the repository root (see the usage at its top)" >&2
+  exit 2
+fi
+export LAUNCHER=python
+exec bash "$launcher" "$@"

@@ -1,0 +1,109 @@
+"""The SLURM scripts, submitted with sbatch to a real SLURM cluster of two emulated nodes on this host
+(tests/slurm_cluster.py). The nodes have no GPU, so jobs run CPU processes with gloo."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, tiny_args
+from tests import slurm_cluster as cluster_module
+from tests.slurm_cluster import skip_or_fail, slurm_cluster  # noqa: F401  (slurm_cluster is a fixture)
+from tests.test_comm_check import assert_complete_correct_table
+
+# The emulated nodes have no GPU: ask for none, which makes submit_multinode.sh fall back to gloo on CPU.
+CPU_NODES = ["--gpus-per-node=0"]
+SCRIPTS = ["submit_singlegpu.sh", "submit_multinode.sh", "tests/install_slurm.sh"]
+
+
+def job_env() -> dict:
+    """The jobs use the Python environment running these tests (CI: the checkout's .venv)."""
+    in_venv = sys.prefix != sys.base_prefix
+    return {"PYTHON_ENV": sys.prefix if in_venv else "", "PYTHONUNBUFFERED": "1",
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
+def test_scripts_are_shellcheck_clean():
+    shellcheck = shutil.which("shellcheck")
+    if shellcheck is None:
+        skip_or_fail("shellcheck is not installed (Debian package shellcheck; tests/install_slurm.sh installs it)")
+    proc = subprocess.run([shellcheck, *SCRIPTS], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_without_root_the_cluster_tests_skip_but_fail_under_ci(monkeypatch):
+    monkeypatch.setattr(cluster_module.os, "geteuid", lambda: 1000)
+    reason = cluster_module.unavailable_reason()
+    assert reason and "needs root" in reason
+    monkeypatch.setenv("CI", "false")
+    with pytest.raises(pytest.skip.Exception):
+        skip_or_fail(reason)
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI=true"):
+        skip_or_fail(reason)
+
+
+def test_comm_check_runs_on_two_nodes(slurm_cluster):
+    job = slurm_cluster.sbatch("submit_multinode.sh", "comm_check.py", "--max-bytes", "4MiB",
+                               "--seconds-per-size", "0.1", options=CPU_NODES, env=job_env())
+    assert job.returncode == 0, job.report
+    assert "2 nodes (n[1-2]) x 2 processes, 0 GPUs per node" in job.output, job.report
+    assert "world_size=4 nodes=2" in job.output, job.report
+    # torchrun numbers the nodes in the order they join the rendezvous: n1 is not always node 0.
+    assert sorted(re.findall(r"#   node [01]: (n[12]) ", job.output)) == ["n1", "n2"], job.report
+    assert_complete_correct_table(job.output, 4 * 2**20, world_size=4)
+
+
+def test_ddp_training_on_two_nodes(slurm_cluster, tiny_data, tmp_path):
+    run = tmp_path / "run"
+    job = slurm_cluster.sbatch("submit_multinode.sh", "train_ddp.py", *tiny_args(tiny_data, run, "--max_steps", "4"),
+                               options=CPU_NODES, env=job_env(), timeout=300)
+    assert job.returncode == 0, job.report
+    assert "world_size=4 nodes=2" in job.output, job.report
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert train and train[-1]["step"] == 4 and train[-1]["loss"] > 0, records
+
+
+def test_singlegpu_passes_arguments_through(slurm_cluster, tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("import json, sys\nprint('ARGS=' + json.dumps(sys.argv[1:]))\nprint('PYTHON=' + sys.prefix)\n")
+    job = slurm_cluster.sbatch("submit_singlegpu.sh", str(probe), "--config", "two words", "*",
+                               options=[*CPU_NODES, "--cpus-per-task=1"], env=job_env(), timeout=60)
+    assert job.returncode == 0, job.report
+    assert 'ARGS=["--config", "two words", "*"]' in job.output, job.report
+    assert f"PYTHON={sys.prefix}" in job.output, job.report
+
+
+def test_a_failing_rank_fails_the_job_instead_of_hanging(slurm_cluster, tmp_path):
+    # Rank 2 dies while the others wait for it in init_process_group: the job must end, and fail.
+    script = tmp_path / "rank2_dies.py"
+    script.write_text("import datetime, os, sys\n"
+                      "if os.environ['RANK'] == '2':\n"
+                      "    sys.exit(3)\n"
+                      "import torch.distributed as dist\n"
+                      "dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=300))\n")
+    job = slurm_cluster.sbatch("submit_multinode.sh", str(script), options=CPU_NODES, env=job_env(), timeout=120)
+    assert job.returncode != 0, job.report
+
+
+@pytest.mark.parametrize("script, settings, message", [
+    ("no_such_script.py", {}, "error: no_such_script.py not found"),
+    ("comm_check.py", {"PYTHON_ENV": "/no/such/env"}, "PYTHON_ENV=/no/such/env"),
+    ("comm_check.py", {"SITE": "mars"}, "error: SITE=mars is not one of kestrel, perlmutter, generic"),
+])
+def test_bad_settings_are_clear_errors(slurm_cluster, script, settings, message):
+    job = slurm_cluster.sbatch("submit_multinode.sh", script, options=CPU_NODES, env={**job_env(), **settings},
+                               timeout=60)
+    assert job.returncode == 2 and message in job.output, job.report
+
+
+def test_impossible_request_fails_at_submission(slurm_cluster):
+    job = slurm_cluster.sbatch("submit_multinode.sh", "comm_check.py", options=[*CPU_NODES, "--nodes=3"],
+                               env=job_env(), timeout=30)
+    assert job.returncode != 0 and job.job_id is None, job.report

@@ -1,0 +1,255 @@
+"""Atomic, resumable single-file checkpoints (``torch.save``) and the RNG state that goes in them.
+
+A checkpoint is ``<ckpt_dir>/step_<step:08d>.pt``. It is written to a hidden temporary file in
+the same folder, synced to disk, then renamed over the final name: a rename within one file
+system is atomic, so a job killed at any moment leaves either the complete new file or none,
+and the previous checkpoint untouched. Only names of the form ``step_<digits>.pt`` count as
+checkpoints; leftover temporary files are ignored and removed by the next save.
+
+States hold only tensors, numbers, strings, None and lists/tuples/sets/dicts of them, so they load
+with ``torch.load(weights_only=True)``, which cannot run code from the file. ``save_checkpoint``
+checks this before writing, so a wrong type fails at the first save, not at resume time.
+
+One process writes a folder (rank 0 for DDP); FSDP runs use ``torch.distributed.checkpoint``.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+import re
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+CHECKPOINT_NAME = re.compile(r"^step_(\d+)\.pt$")
+TEMP_PREFIX = ".tmp-step_"
+WRAPPER_COMPONENTS = frozenset({"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+"""Key components added by DDP / DataParallel, torch.compile, activation checkpointing and FSDP1."""
+
+# Types torch.load(weights_only=True) rebuilds. Exact types: numpy scalars subclass float but are
+# rejected by the weights-only unpickler.
+_LEAF_TYPES = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+_CONTAINER_TYPES = (dict, collections.OrderedDict, list, tuple, set)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint problem, reported as one line that says what to do."""
+
+
+def ensure_writable_dir(path) -> Path:
+    """Create ``path`` (with parents) and prove it is writable; raise CheckpointError if not.
+
+    Checked at start-up so a read-only or mistyped run directory fails in the first second,
+    not at the first checkpoint hours later.
+    """
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise CheckpointError(
+            f"run directory {path} is not writable ({reason}): choose another with --run_dir"
+        ) from None
+    return path
+
+
+def _check_weights_only_types(value: Any, where: str) -> None:
+    if isinstance(value, torch.Tensor) or type(value) in _LEAF_TYPES:
+        return
+    if type(value) not in _CONTAINER_TYPES:
+        raise CheckpointError(
+            f"checkpoint state {where} is a {type(value).__module__}.{type(value).__qualname__}: store only "
+            "tensors, numbers, strings, None and lists/tuples/dicts of them (e.g. float(x), "
+            "dataclasses.asdict(c)) so the file loads with torch.load(weights_only=True)"
+        )
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_weights_only_types(key, f"{where} key {key!r}")
+            _check_weights_only_types(item, f"{where}[{key!r}]")
+    else:
+        for index, item in enumerate(value):
+            _check_weights_only_types(item, f"{where}[{index}]")
+
+
+def _fsync_dir(path: Path) -> None:
+    # Makes the rename itself durable; directories cannot be opened like this on Windows.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _checkpoints_by_step(ckpt_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints in ``ckpt_dir``, oldest step first (numeric order, any digit count)."""
+    if not ckpt_dir.is_dir():
+        return []
+    found = []
+    for entry in ckpt_dir.iterdir():
+        match = CHECKPOINT_NAME.match(entry.name)
+        if match and entry.is_file():
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def _remove_stale_temp_files(ckpt_dir: Path) -> None:
+    for entry in ckpt_dir.glob(TEMP_PREFIX + "*"):
+        entry.unlink(missing_ok=True)
+
+
+def save_checkpoint(ckpt_dir, step: int, state: dict, keep: int = 2) -> Path:
+    """Write ``state`` to ``ckpt_dir/step_{step:08d}.pt`` atomically; keep the ``keep`` newest.
+
+    ``keep < 1`` keeps every checkpoint. The file just written is never pruned, even when the
+    folder holds checkpoints of higher steps (e.g. from an earlier run).
+    Raises CheckpointError for a state that would not load with weights_only=True and for
+    write failures (disk full, permissions); nothing half-written is left behind.
+    """
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    _check_weights_only_types(state, "state")
+    ckpt_dir = ensure_writable_dir(ckpt_dir)
+    _remove_stale_temp_files(ckpt_dir)
+    final_path = ckpt_dir / f"step_{step:08d}.pt"
+    fd, temp_name = tempfile.mkstemp(dir=ckpt_dir, prefix=f"{TEMP_PREFIX}{step:08d}-", suffix=".pt")
+    try:
+        with os.fdopen(fd, "wb") as stream:
+            torch.save(state, stream)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temp_name, final_path)
+    except BaseException as error:
+        # Also on KeyboardInterrupt: a Ctrl-C mid-save must not leave a temp file or a partial step file.
+        Path(temp_name).unlink(missing_ok=True)
+        if isinstance(error, OSError):
+            raise CheckpointError(
+                f"could not write checkpoint {final_path} ({error.strerror or error}): free space or "
+                "choose another --run_dir; the previous checkpoint is intact"
+            ) from None
+        raise
+    _fsync_dir(ckpt_dir)
+
+    if keep >= 1:
+        older = [path for _, path in _checkpoints_by_step(ckpt_dir) if path != final_path]
+        for path in older[: max(0, len(older) - (keep - 1))]:
+            path.unlink(missing_ok=True)
+    return final_path
+
+
+def latest_checkpoint(ckpt_dir) -> Optional[Path]:
+    """The complete checkpoint with the highest step in ``ckpt_dir``, or None if there is none."""
+    found = _checkpoints_by_step(Path(ckpt_dir))
+    return found[-1][1] if found else None
+
+
+def load_checkpoint(path, map_location="cpu", weights_only: bool = True) -> dict:
+    """Load a checkpoint written by :func:`save_checkpoint`; CheckpointError if missing or corrupt."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist: check --run_dir, or start without --resume")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=weights_only)
+    except MemoryError:
+        raise
+    except Exception as error:  # torch raises many types for damaged files (OSError, KeyError, EOFError, ...)
+        # The weights-only unpickler also rejects garbage bytes; only "Unsupported global" means a real object.
+        foreign = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+        if foreign:
+            raise CheckpointError(
+                f"checkpoint {path} holds a {foreign.group(1)}, which torch.load(weights_only=True) refuses; "
+                "if you trust the file, load it with weights_only=False"
+            ) from None
+        previous = [p.name for _, p in _checkpoints_by_step(path.parent) if p != path]
+        hint = f"resume from the previous one ({previous[-1]})" if previous else "start the run again"
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt or truncated ({type(error).__name__}): delete it and {hint}"
+        ) from None
+
+
+def capture_rng_state() -> dict:
+    """The state of every random generator a training step may draw from.
+
+    Python ``random``, NumPy's global generator, torch's CPU generator and, when CUDA is
+    available, the generator of every visible GPU. NumPy's key is stored as an int64 tensor so
+    the result loads with weights_only=True.
+    """
+    numpy_state = np.random.get_state(legacy=False)
+    state = {
+        "python": random.getstate(),
+        "numpy": {
+            "bit_generator": numpy_state["bit_generator"],
+            "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+            "pos": int(numpy_state["state"]["pos"]),
+            "has_gauss": int(numpy_state["has_gauss"]),
+            "gauss": float(numpy_state["gauss"]),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    """Restore generators captured by :func:`capture_rng_state`.
+
+    CUDA states are restored for as many GPUs as both the checkpoint and this process have
+    (none when resuming a GPU run on CPU or the other way round).
+    """
+    random.setstate(_as_python_random_state(state["python"]))
+    numpy_state = state["numpy"]
+    np.random.set_state(
+        {
+            "bit_generator": numpy_state["bit_generator"],
+            "state": {"key": numpy_state["key"].cpu().numpy().astype(np.uint32), "pos": numpy_state["pos"]},
+            "has_gauss": numpy_state["has_gauss"],
+            "gauss": numpy_state["gauss"],
+        }
+    )
+    torch.set_rng_state(state["torch"].cpu())
+    cuda_states = state.get("cuda")
+    if cuda_states and torch.cuda.is_available():
+        for index, cuda_state in enumerate(cuda_states[: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state.cpu(), index)
+
+
+def _as_python_random_state(saved) -> tuple:
+    # random.setstate insists on tuples; be lenient if a state went through JSON or lists.
+    version, internal, gauss = saved
+    return (version, tuple(internal), gauss)
+
+
+def strip_wrapper_prefixes(state_dict: dict) -> dict:
+    """A copy of ``state_dict`` with the key components that wrappers add removed.
+
+    ``module.`` (DDP), ``_orig_mod.`` (torch.compile), ``_checkpoint_wrapped_module.``
+    (activation checkpointing) and ``_fsdp_wrapped_module.`` are removed wherever they appear as
+    whole dot-separated components, so a state saved from any wrapped model loads into the plain
+    one. Keeps the order and the ``_metadata`` (module versions) that ``load_state_dict`` reads.
+    """
+
+    def strip(key: str) -> str:
+        return ".".join(part for part in key.split(".") if part not in WRAPPER_COMPONENTS)
+
+    stripped = collections.OrderedDict()
+    for key, value in state_dict.items():
+        new_key = strip(key)
+        if new_key in stripped:
+            raise ValueError(f"state_dict keys collide after removing wrapper prefixes: {key!r} -> {new_key!r}")
+        stripped[new_key] = value
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        stripped._metadata = collections.OrderedDict((strip(key), value) for key, value in metadata.items())
+    return stripped

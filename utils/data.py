@@ -1,0 +1,456 @@
+"""SuperBench's ERA5, served as it is on disk: dataset, resumable distributed sampler, loaders.
+
+Layout (see datasets/README.md): ``<data_dir>/<split>/<year>.h5``, one dataset ``fields`` per
+file, shape ``(days, 3, 721, 1440)``, float32, physical units. The last latitude row is dropped
+(721 -> 720), as SuperBench does, so whole fields divide by 2, 4, 8 and 16.
+
+``ERA5Dataset`` returns float32 tensors in physical units (the model normalises):
+
+- task "sr": ``(lr, hr)``; hr is a ``crop_size`` crop (or the whole 720 x W field when
+  ``crop_size`` is 0) and lr its bicubic downsampling by ``upscale`` (antialias off, as SuperBench).
+- task "forecast": ``(x_t, x_t+1)``, the same crop of two consecutive days of one file.
+
+A crop reads only its own hyperslab from disk (3 x 128 x 128 floats, 196 KB) instead of the whole
+day (3 x 721 x 1440, 12.5 MB) that SuperBench reads and then crops. Crop positions are a hash of
+(seed, epoch, index) for training and of (seed, index) for validation: random-looking, new every
+epoch, yet identical for a resumed run and for any number of ranks or workers.
+
+HDF5 files are opened lazily in the process that reads them (each DataLoader worker opens its
+own handles, never sharing one across fork), and closed by ``close()`` or when the dataset dies.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+
+SUPERBENCH_MEAN = (6.3024, 278.3945, 18.4262)
+SUPERBENCH_STD = (3.7376, 21.0588, 16.4687)
+CHANNEL_NAMES = ("kinetic energy 10 m", "temperature 2 m", "total column water vapour")
+CHANNEL_UNITS = ("m2 s-2", "K", "kg m-2")
+FIELDS_KEY = "fields"
+TASKS = ("sr", "forecast")
+READ_MODES = ("hyperslab", "whole")
+
+HOW_TO_GET_DATA = (
+    "get SuperBench's ERA5 (see datasets/README.md) or generate a stand-in with "
+    "`python datasets/make_synthetic_era5.py --out {root} --samples-per-year 32 --height 181 --width 360`"
+)
+
+
+class DataError(ValueError):
+    """A data problem, as one line naming the path, what is wrong and what to do.
+
+    Raised in a DataLoader worker, it reaches the main process re-wrapped with the worker's
+    traceback; the constructor keeps only the original message so the one-line promise holds.
+    """
+
+    def __init__(self, message: str):
+        super().__init__(_original_message(str(message)))
+
+
+def _original_message(message: str) -> str:
+    if "Original Traceback" not in message:
+        return message
+    last = [line for line in message.splitlines() if line.strip()][-1]
+    _, sep, rest = last.partition("DataError: ")
+    return rest if sep else last
+
+
+def _h5_reason(error: Exception) -> str:
+    """h5py's first line, without its errno prefix: "truncated file: eof = ...", "file signature not found"."""
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return text.split("(", 1)[-1].rstrip(")") if text.startswith("Unable to") else text
+
+
+def _open_h5(path: Path) -> h5py.File:
+    # Default locking on purpose: HDF5 refuses a second open of one file in a process with other
+    # flags. Where the file system has no flock (some Lustre mounts), export HDF5_USE_FILE_LOCKING=FALSE.
+    try:
+        return h5py.File(path, "r")
+    except PermissionError:
+        raise DataError(f"{path}: permission denied; make the file readable (chmod a+r) or copy it") from None
+    except OSError as e:
+        raise DataError(
+            f"{path}: cannot be read as HDF5 ({_h5_reason(e)}); the file is truncated or corrupt: "
+            "download or generate it again"
+        ) from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Files of a split
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class YearFile:
+    path: Path
+    days: int
+    height: int  # as stored (721 for ERA5), before dropping the last row
+    width: int
+
+
+def _describe(path: Path) -> YearFile:
+    with _open_h5(path) as f:
+        if FIELDS_KEY not in f:
+            found = ", ".join(sorted(f.keys())) or "nothing"
+            raise DataError(
+                f"{path}: no dataset '{FIELDS_KEY}' (found: {found}); SuperBench files hold one "
+                f"dataset '{FIELDS_KEY}' of shape (days, 3, lat, lon): is this the right file?"
+            )
+        fields = f[FIELDS_KEY]
+        if not isinstance(fields, h5py.Dataset):
+            raise DataError(f"{path}: '{FIELDS_KEY}' is a group, not a dataset; expected an array (days, 3, lat, lon)")
+        shape, dtype = fields.shape, fields.dtype
+    expected = f"expected (days, {len(CHANNEL_NAMES)} channels, lat, lon) as SuperBench's ERA5"
+    if len(shape) != 4:
+        raise DataError(f"{path}: '{FIELDS_KEY}' has shape {shape} ({len(shape)} dimensions); {expected}")
+    if shape[1] != len(CHANNEL_NAMES):
+        raise DataError(f"{path}: '{FIELDS_KEY}' has {shape[1]} channels (shape {shape}); {expected}")
+    if shape[0] < 1 or shape[2] < 2 or shape[3] < 1:
+        raise DataError(f"{path}: '{FIELDS_KEY}' has shape {shape}, too small to hold a field; {expected}")
+    if not np.issubdtype(dtype, np.number):
+        raise DataError(f"{path}: '{FIELDS_KEY}' holds {dtype}, not numbers; {expected}, float32")
+    return YearFile(path, shape[0], shape[2], shape[3])
+
+
+def scan_split(split_dir) -> list[YearFile]:
+    """Every ``*.h5`` of a split folder, sorted by name, checked to share one grid."""
+    split_dir = Path(split_dir)
+    if not split_dir.is_dir():
+        parent = split_dir.parent
+        splits = sorted(p.name for p in parent.iterdir() if p.is_dir() and any(p.glob("*.h5"))) if parent.is_dir() else []
+        hint = HOW_TO_GET_DATA.format(root=parent)
+        if splits:  # a data root with other splits: probably a misspelt split name
+            hint = f"split folders in {parent}: {', '.join(splits)}; or {hint}"
+        what = "is not a directory" if split_dir.exists() else "no such directory"
+        raise DataError(f"{split_dir}: {what}; {hint}")
+    paths = sorted(split_dir.glob("*.h5"))
+    if not paths:
+        raise DataError(
+            f"{split_dir}: no .h5 files; a split folder holds one <year>.h5 per year "
+            f"(see datasets/README.md, or {HOW_TO_GET_DATA.format(root=split_dir.parent)})"
+        )
+    files = [_describe(p) for p in paths]
+    first = files[0]
+    for other in files[1:]:
+        if (other.height, other.width) != (first.height, first.width):
+            raise DataError(
+                f"{split_dir}: files have different grids: {first.path.name} is {first.height}x{first.width}, "
+                f"{other.path.name} is {other.height}x{other.width}; all years of a split must share one grid"
+            )
+    return files
+
+
+# ----------------------------------------------------------------------------------------------
+# Low resolution and crop positions
+# ----------------------------------------------------------------------------------------------
+
+
+def bicubic_downsample(hr: torch.Tensor, factor: int) -> torch.Tensor:
+    """SuperBench's low-resolution input: bicubic resize by 1/factor, antialias off.
+
+    Same as torchvision's ``Resize(..., BICUBIC, antialias=False)`` on a tensor and as
+    ``F.interpolate(hr, scale_factor=1/factor, mode="bicubic", align_corners=False)``.
+    Takes (C, H, W) or (N, C, H, W); H and W must be multiples of factor.
+    """
+    if factor == 1:
+        return hr.clone()
+    height, width = hr.shape[-2:]
+    if height % factor or width % factor:
+        raise ValueError(f"a {height}x{width} field cannot be downsampled by {factor} (not a multiple)")
+    batched = hr if hr.dim() == 4 else hr.unsqueeze(0)
+    lr = F.interpolate(batched, size=(height // factor, width // factor), mode="bicubic",
+                       align_corners=False, antialias=False)
+    return lr if hr.dim() == 4 else lr.squeeze(0)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """One step of splitmix64: a cheap, well-mixed 64-bit hash, the same in every process."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _hash(*values: int) -> int:
+    h = 0
+    for v in values:
+        h = _splitmix64(h ^ (v & _MASK64))
+    return h
+
+
+_TRAIN_STREAM, _VALID_STREAM = 1, 2  # keeps training and validation crops unrelated
+
+
+# ----------------------------------------------------------------------------------------------
+# Dataset
+# ----------------------------------------------------------------------------------------------
+
+
+class ERA5Dataset(Dataset):
+    """SuperBench's ERA5 split folder as (input, target) pairs; see the module docstring.
+
+    Length: ``days * n_patches`` with crops (SuperBench's arithmetic: 4 files x 365 days x 8 =
+    11680), ``days`` for whole fields, where "days" counts pairs (days - 1 per file) for forecasting.
+    Index i maps to file and day as SuperBench: day ``i // n_patches`` counted across the sorted files.
+
+    ``read="whole"`` reads the whole day and then crops, as SuperBench; only for benchmarks.
+    """
+
+    def __init__(self, split_dir, task: str = "sr", upscale: int = 2, crop_size: int = 128, n_patches: int = 8,
+                 seed: int = 0, train: bool = True, read: str = "hyperslab"):
+        if task not in TASKS:
+            raise DataError(f"task {task!r} is not one of {', '.join(TASKS)}")
+        if read not in READ_MODES:
+            raise DataError(f"read {read!r} is not one of {', '.join(READ_MODES)}")
+        if upscale < 1 or crop_size < 0 or n_patches < 1:
+            raise DataError(f"need upscale >= 1, crop_size >= 0, n_patches >= 1; got {upscale}, {crop_size}, {n_patches}")
+        self.split_dir = Path(split_dir)
+        self.files = scan_split(self.split_dir)
+        self.task, self.upscale, self.crop_size, self.seed, self.train, self.read = task, upscale, crop_size, seed, train, read
+        self.height = self.files[0].height - 1  # SuperBench drops the last latitude row (721 -> 720)
+        self.width = self.files[0].width
+        self._check_geometry()
+        self.patches_per_day = n_patches if crop_size else 1
+        lead = 1 if task == "forecast" else 0  # a forecast pair needs day t+1 in the same file
+        counts = [max(f.days - lead, 0) for f in self.files]
+        self._first_day = list(itertools.accumulate([0] + counts))
+        self.days = self._first_day[-1]
+        if self.days == 0:
+            raise DataError(f"{self.split_dir}: every file holds a single day; forecasting needs at least 2 days per file")
+        # Shared memory: set_epoch in the main process reaches the (persistent) worker processes.
+        self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
+        self._handles: dict[int, tuple[h5py.File, h5py.Dataset]] = {}
+        self._pid = os.getpid()
+
+    def _check_geometry(self) -> None:
+        field = f"{self.height}x{self.width} field (after dropping the last latitude row)"
+        if self.crop_size:
+            if self.crop_size > min(self.height, self.width):
+                raise DataError(
+                    f"{self.split_dir}: crop_size {self.crop_size} is larger than the {field}; "
+                    f"use crop_size <= {min(self.height, self.width)}, or 0 for whole fields"
+                )
+            if self.task == "sr" and self.crop_size % self.upscale:
+                raise DataError(
+                    f"crop_size {self.crop_size} is not divisible by upscale {self.upscale}; "
+                    f"use a multiple of {self.upscale} such as {self.crop_size // self.upscale * self.upscale or self.upscale}"
+                )
+        elif self.task == "sr" and (self.height % self.upscale or self.width % self.upscale):
+            raise DataError(
+                f"{self.split_dir}: the whole {field} cannot be downsampled by upscale {self.upscale} "
+                "(not a multiple); set a crop_size or an upscale that divides both sides"
+            )
+
+    # -- sizes and positions ---------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self.days * self.patches_per_day
+
+    @property
+    def epoch(self) -> int:
+        return int(self._epoch[0])
+
+    def set_epoch(self, epoch: int) -> None:
+        """New training crops for this epoch; call before iterating (the sampler's set_epoch does)."""
+        self._epoch[0] = epoch
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """(file number, day in that file) of a sample; the target of a forecast is day + 1."""
+        day = index // self.patches_per_day
+        file = bisect.bisect_right(self._first_day, day) - 1
+        return file, day - self._first_day[file]
+
+    def crop_origin(self, index: int) -> tuple[int, int]:
+        """Top-left (row, column) of the sample's crop; (0, 0) for whole fields."""
+        if not self.crop_size:
+            return 0, 0
+        key = _hash(self.seed, _TRAIN_STREAM, self.epoch, index) if self.train else _hash(self.seed, _VALID_STREAM, index)
+        rows, cols = self.height - self.crop_size + 1, self.width - self.crop_size + 1
+        return key % rows, _splitmix64(key) % cols
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def _fields(self, file: int) -> h5py.Dataset:
+        """The file's ``fields``, opened on first use in this process."""
+        if self._pid != os.getpid():
+            # A forked worker inherited the parent's handles: HDF5 handles must not cross fork.
+            self._handles, self._pid = {}, os.getpid()
+        if file not in self._handles:
+            path = self.files[file].path
+            h5 = _open_h5(path)
+            if not isinstance(h5.get(FIELDS_KEY), h5py.Dataset):
+                h5.close()
+                raise DataError(f"{path}: no dataset '{FIELDS_KEY}' any more; was the file replaced while training?")
+            self._handles[file] = (h5, h5[FIELDS_KEY])
+        return self._handles[file][1]
+
+    def read_field(self, file: int, day: int, row: int = 0, col: int = 0) -> torch.Tensor:
+        """(3, size, size) at (row, col), or the whole (3, 720, W) field when crop_size is 0.
+
+        Only the crop's hyperslab is read (for chunked files, the tiles it touches);
+        read="whole" reads the whole day first, as SuperBench.
+        """
+        size_r = self.crop_size or self.height
+        size_c = self.crop_size or self.width
+        rows, cols = slice(row, row + size_r), slice(col, col + size_c)
+        fields = self._fields(file)
+        try:
+            if self.read == "whole":
+                block = fields[day][:, rows, cols]  # SuperBench: 3 x 721 x 1440 from disk, then cut
+            else:
+                block = fields[day, :, rows, cols]  # HDF5 reads only this hyperslab
+        except (OSError, RuntimeError) as e:
+            raise DataError(
+                f"{self.files[file].path}: cannot read day {day} ({_h5_reason(e)}); the file is truncated "
+                "or corrupt: download or generate it again"
+            ) from None
+        return torch.from_numpy(np.ascontiguousarray(block, dtype=np.float32))
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"index {index} out of range for {len(self)} samples")
+        file, day = self.locate(index)
+        row, col = self.crop_origin(index)
+        x = self.read_field(file, day, row, col)
+        if self.task == "forecast":
+            return x, self.read_field(file, day + 1, row, col)
+        return bicubic_downsample(x, self.upscale), x
+
+    def close(self) -> None:
+        """Close the HDF5 files this process opened (a later read reopens them)."""
+        if self._pid == os.getpid():
+            for h5, _ in self._handles.values():
+                h5.close()
+        self._handles = {}
+
+    def __getstate__(self):
+        # Pickled into spawned workers: handles stay behind, the shared epoch travels.
+        state = self.__dict__.copy()
+        state["_handles"] = {}
+        return state
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: h5py may already be gone
+            pass
+
+    def __repr__(self) -> str:
+        crop = f"{self.crop_size}x{self.crop_size} crops x {self.patches_per_day}/day" if self.crop_size else "whole fields"
+        return (f"ERA5Dataset({self.split_dir}, task={self.task}, {len(self.files)} files, {self.days} days, "
+                f"{self.height}x{self.width}, {crop}, {len(self)} samples)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampler and loaders
+# ----------------------------------------------------------------------------------------------
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """DistributedSampler (same permutation of seed + epoch) that can start mid-epoch.
+
+    Rank r takes positions r, r + N, r + 2N, ... of the epoch's permutation, so the k-th local
+    batches of N ranks together are exactly the k-th global batch of one process that uses
+    ``num_replicas=1`` and a batch N times larger (with ``drop_last`` on both). ``set_epoch`` also
+    sets the dataset's epoch (its crops) when the dataset has ``set_epoch``.
+    """
+
+    def __init__(self, dataset, num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, batch_size: int = 1):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        self.batch_size = batch_size
+        self.start_index = 0
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Select the epoch and skip this rank's first ``start_batch`` batches of it (resume)."""
+        if start_batch < 0:
+            raise ValueError(f"start_batch must be >= 0, got {start_batch}")
+        super().set_epoch(epoch)
+        self.start_index = min(start_batch * self.batch_size, self.num_samples)
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.start_index, None)
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start_index
+
+
+def build_dataloader(dataset, batch_size: int, *, shuffle: bool, seed: int = 0, rank: int = 0, world_size: int = 1,
+                     num_workers: int = 0, pin_memory: bool = False, persistent_workers: bool = False,
+                     prefetch_factor: int = 2, drop_last: bool = False) -> DataLoader:
+    """DataLoader over a ResumableDistributedSampler (``loader.sampler``) of the global rank.
+
+    The loader has its own torch.Generator: by default every ``iter(loader)`` draws a worker seed
+    from the global RNG, which would shift the model's random stream (dropout, drop path) by when
+    epochs start, and break bit-exact resumption.
+
+    ``batch_size`` is per rank. Call ``loader.sampler.set_epoch(epoch[, start_batch])`` before each
+    epoch. Worker options apply only with ``num_workers > 0``; pinning only when CUDA is present.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+    sampler = ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
+                                          drop_last=drop_last, batch_size=batch_size)
+    workers = {}
+    if num_workers > 0:
+        workers = dict(persistent_workers=persistent_workers, prefetch_factor=prefetch_factor)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+                      pin_memory=pin_memory and torch.cuda.is_available(), drop_last=drop_last,
+                      generator=torch.Generator().manual_seed(seed), **workers)
+
+
+def build_loaders(cfg, rank: int = 0, world_size: int = 1) -> tuple[DataLoader, DataLoader]:
+    """(train, validation) loaders of this rank from a utils.config.Config.
+
+    ``cfg.train.batch_size`` is global (per rank: batch_size // world_size). Validation keeps
+    ``val_samples`` evenly spaced samples (0 = all), in order, with fixed crops.
+    """
+    d, seed, global_batch = cfg.data, cfg.train.seed, cfg.train.batch_size
+    root = Path(d.data_dir)
+    if not root.is_dir():
+        raise DataError(f"data directory {root} does not exist: {HOW_TO_GET_DATA.format(root=root)}")
+    if global_batch % world_size:
+        raise DataError(
+            f"batch_size {global_batch} is the global batch and must be divisible by the {world_size} ranks; "
+            f"use a multiple of {world_size}"
+        )
+    per_rank = global_batch // world_size
+    common = dict(task=d.task, upscale=cfg.model.upscale, crop_size=d.crop_size, n_patches=d.n_patches, seed=seed)
+    train_set = ERA5Dataset(root / d.train_split, train=True, **common)
+    valid_set = ERA5Dataset(root / d.valid_split, train=False, **common)
+    if d.val_samples and d.val_samples < len(valid_set):
+        # Evenly spaced over the split, so a short validation still spans the seasons.
+        stride = len(valid_set) / d.val_samples
+        valid_set = Subset(valid_set, [int(i * stride) for i in range(d.val_samples)])
+    workers = dict(num_workers=d.num_workers, pin_memory=d.pin_memory, persistent_workers=d.persistent_workers,
+                   prefetch_factor=d.prefetch_factor)
+    train_loader = build_dataloader(train_set, per_rank, shuffle=True, seed=seed, rank=rank, world_size=world_size,
+                                    drop_last=d.drop_last, **workers)
+    if len(train_loader) == 0:
+        raise DataError(
+            f"{train_set.split_dir}: {len(train_set)} training samples make no full batch of {global_batch} "
+            f"over {world_size} rank(s); lower batch_size or add data"
+        )
+    valid_loader = build_dataloader(valid_set, d.val_batch_size or per_rank, shuffle=False, seed=seed, rank=rank,
+                                    world_size=world_size, drop_last=False, **workers)
+    return train_loader, valid_loader

@@ -1,0 +1,74 @@
+"""Scaling techniques, applied from outside to a plain model, always in this order:
+
+    activation checkpointing -> torch.compile -> DDP / FSDP2
+
+Each function takes the model and returns it (modified in place where possible), so a training
+script reads ``model = apply_ac(model, ...); model = apply_compile(model, ...)`` and the model
+code never mentions any of it. The "units" are the model's uniform block lists:
+``model.swin_blocks()`` (every Swin transformer block) or ``model.rstb_layers()`` (every RSTB).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed._composable import checkpoint as composable_checkpoint
+
+
+def ac_units(model: nn.Module, unit: str) -> list[nn.Module]:
+    """The modules a technique wraps one by one: "block" = Swin blocks, "layer" = RSTBs."""
+    if unit == "block":
+        return list(model.swin_blocks())
+    if unit == "layer":
+        return list(model.rstb_layers())
+    raise ValueError(f"unit must be 'block' or 'layer', got {unit!r}")
+
+
+def apply_ac(model: nn.Module, mode: str) -> nn.Module:
+    """Activation checkpointing per Swin block ("block") or per RSTB ("layer"); "none" does nothing.
+
+    Non-reentrant checkpointing (the composable API) is the kind that works with DDP, FSDP2 and
+    torch.compile, and it leaves parameter names unchanged, so checkpoints stay interchangeable
+    between runs with and without it. Each unit keeps only its input for backward and recomputes
+    its forward there: less memory for roughly one extra forward of compute.
+    """
+    if mode == "none":
+        return model
+    for unit in ac_units(model, mode):
+        composable_checkpoint(unit)
+    return model
+
+
+def apply_compile(model: nn.Module, enabled: bool) -> nn.Module:
+    """torch.compile each Swin block in place (``Module.compile``).
+
+    Compiling the repeated block rather than the whole model compiles one graph that every block
+    reuses, and in-place compilation keeps parameter names free of ``_orig_mod.``.
+    """
+    if not enabled:
+        return model
+    for block in model.swin_blocks():
+        block.compile()
+    return model
+
+
+def apply_ddp(model: nn.Module, cfg, device: torch.device) -> nn.Module:
+    """Wrap in DistributedDataParallel: gradients are averaged over ranks during backward.
+
+    ``no_ddp`` returns the model unwrapped, so ranks skip the all-reduce and drift apart: only
+    useful to measure what the communication costs (NERSC's sc22 tutorial does the same).
+    Always call the *returned* model in the training step; calling the plain model under DDP
+    silently skips the gradient synchronisation.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if cfg.dist.no_ddp:
+        return model
+    return DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=cfg.dist.bucket_cap_mb,
+        broadcast_buffers=cfg.dist.broadcast_buffers,
+        gradient_as_bucket_view=cfg.dist.gradient_as_bucket_view,
+        static_graph=cfg.dist.static_graph,
+    )

@@ -1,0 +1,224 @@
+"""Objects every training script builds the same way: device, optimizer and schedule, mixed
+precision, loss, checkpoint contents, evaluation, and the command-line error handling.
+
+The training step itself is written out in each script; only the objects it uses come from here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import sys
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from utils.checkpoint import (CheckpointError, capture_rng_state, latest_checkpoint, restore_rng_state,
+                              strip_wrapper_prefixes)
+from utils.config import Config, ConfigError
+from utils.data import DataError
+from utils.distributed import DistEnv, device_for
+from utils.metrics import RMSEAccumulator, bicubic_upsample
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or infinite: training stops instead of writing broken weights."""
+
+
+# ----------------------------------------------------------------------------- device and numerics
+
+
+def pick_device(choice: str, env: DistEnv = DistEnv()) -> torch.device:
+    """``auto``: this process's GPU if CUDA is available, else the CPU."""
+    if choice == "cpu":
+        return torch.device("cpu")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' requested but CUDA is not available: use --device auto or cpu")
+    device = device_for(env)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def configure_backends(cfg: Config) -> None:
+    """TF32 for matmuls and convolutions on Ampere+ GPUs: ~fp32 range, 10-bit mantissa, several x faster."""
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
+        torch.backends.cudnn.allow_tf32 = cfg.train.tf32
+
+
+AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(device: torch.device, amp_dtype: str):
+    """Autocast context for the forward pass (a no-op context for ``amp_dtype: none``)."""
+    dtype = AMP_DTYPES[amp_dtype]
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def make_grad_scaler(device: torch.device, amp_dtype: str) -> torch.amp.GradScaler:
+    """Loss scaling only for fp16, whose 5-bit exponent underflows small gradients; bf16 has fp32's range."""
+    return torch.amp.GradScaler(device.type, enabled=amp_dtype == "fp16")
+
+
+def build_loss(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    return {"l1": F.l1_loss, "mse": F.mse_loss}[name]
+
+
+# ----------------------------------------------------------------------------- optimizer and schedule
+
+
+def scaled_lr(cfg: Config) -> float:
+    """lr for the global batch_size under the lr_scaling rule (NERSC tutorials: sqrt or linear)."""
+    ratio = cfg.train.batch_size / cfg.dist.base_batch_size
+    factor = {"none": 1.0, "sqrt": math.sqrt(ratio), "linear": ratio}[cfg.dist.lr_scaling]
+    return cfg.train.lr * factor
+
+
+def build_optimizer(model: nn.Module, cfg: Config, steps_per_epoch: int, device: torch.device):
+    """AdamW, and a per-step schedule: optional linear warm-up, then lr_gamma once per epoch.
+
+    Decaying by ``lr_gamma ** (step // steps_per_epoch)`` is ExponentialLR stepped each epoch,
+    written per step so that warm-up fits in and a mid-epoch resume restores it exactly.
+    """
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=scaled_lr(cfg),
+        weight_decay=cfg.train.weight_decay,
+        fused=device.type == "cuda",  # one kernel for all parameters instead of several per tensor
+    )
+    warmup, gamma = cfg.dist.warmup_steps, cfg.train.lr_gamma
+
+    def factor(step: int) -> float:
+        warm = min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+        return warm * gamma ** (step // steps_per_epoch)
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return optimizer, scheduler
+
+
+@dataclass
+class TrainState:
+    """Where training is: enough, with the RNG states, to continue exactly."""
+
+    step: int = 0
+    """Optimizer steps taken."""
+    epoch: int = 0
+    """Current epoch."""
+    batch_in_epoch: int = 0
+    """Batches of the current epoch already consumed."""
+
+
+def total_steps(cfg: Config, steps_per_epoch: int) -> int:
+    if steps_per_epoch == 0:
+        raise DataError(
+            f"the training split has fewer samples than one global batch ({cfg.train.batch_size}): "
+            "lower --batch_size or use more data"
+        )
+    return cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * steps_per_epoch
+
+
+def checkpoint_payload(model, optimizer, scheduler, scaler, state: TrainState, cfg: Config) -> dict:
+    """Everything a resumed run needs; the model under its plain (unwrapped) parameter names."""
+    return {
+        "model": strip_wrapper_prefixes(model.state_dict()),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict(),
+        "train_state": asdict(state),
+        "rng": capture_rng_state(),
+        "config": cfg.to_dict(),
+    }
+
+
+def restore_payload(payload: dict, model, optimizer, scheduler, scaler) -> TrainState:
+    model.load_state_dict(payload["model"])
+    optimizer.load_state_dict(payload["optimizer"])
+    scheduler.load_state_dict(payload["scheduler"])
+    scaler.load_state_dict(payload["scaler"])
+    restore_rng_state(payload["rng"])
+    return TrainState(**payload["train_state"])
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+@dataclass
+class Evaluation:
+    rmse: list[float]
+    """Model RMSE per channel, physical units."""
+    bicubic_rmse: list[float]
+    """RMSE per channel of bicubic upsampling of the same inputs: the bar the model must clear."""
+    sample: tuple[torch.Tensor, ...]
+    """(lr, bicubic, prediction, truth) of the first validation sample, on the CPU."""
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader, device: torch.device, amp_dtype: str, upscale: int,
+             all_reduce: bool = False) -> Evaluation:
+    """Per-channel RMSE of the model and of bicubic interpolation over the validation loader."""
+    was_training = model.training
+    model.eval()
+    channels = None
+    sample = None
+    for lr, hr in loader:
+        lr, hr = lr.to(device, non_blocking=True), hr.to(device, non_blocking=True)
+        with autocast(device, amp_dtype):
+            pred = model(lr)
+        pred = pred.float()
+        bicubic = bicubic_upsample(lr, upscale, size=hr.shape[-2:])
+        if channels is None:
+            channels = (RMSEAccumulator(hr.shape[1], device), RMSEAccumulator(hr.shape[1], device))
+            sample = tuple(t[0].detach().cpu() for t in (lr, bicubic, pred, hr))
+        channels[0].update(pred, hr)
+        channels[1].update(bicubic, hr)
+    model.train(was_training)
+    if channels is None:
+        raise DataError("the validation split yielded no samples: check valid_split and val_samples")
+    return Evaluation(channels[0].compute(all_reduce), channels[1].compute(all_reduce), sample)
+
+
+# ----------------------------------------------------------------------------- loop helpers
+
+
+def check_finite(loss_total: torch.Tensor, step: int, ckpt_dir) -> float:
+    """The loss as a float, or stop with NonFiniteLossError (the last good checkpoint stays the latest)."""
+    value = loss_total.item()
+    if not math.isfinite(value):
+        raise NonFiniteLossError(
+            f"loss is {value} by step {step}: stopping without saving; the last good checkpoint is "
+            f"{latest_checkpoint(ckpt_dir)}. Lower --lr, or use --amp_dtype bf16 instead of fp16")
+    return value
+
+
+def show_progress(mode: str) -> bool:
+    return mode == "always" or (mode == "auto" and sys.stdout.isatty())
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def run_cli(main: Callable[[], Optional[int]]) -> None:
+    """Run a script's main(); turn expected failures into one line on stderr and a non-zero exit."""
+    try:
+        code = main()
+    except (ConfigError, DataError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except NonFiniteLossError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(3)
+    sys.exit(code or 0)
