@@ -25,6 +25,25 @@ def train_losses(run_dir) -> list[float]:
     return [r["loss"] for r in read_metrics(run_dir) if r["kind"] == "train"]
 
 
+def rank_indices(cfg, rank: int, world: int, epoch: int) -> list[int]:
+    from utils.data import build_loaders
+
+    loader, _ = build_loaders(cfg, rank, world)
+    loader.sampler.set_epoch(epoch)
+    return list(loader.sampler)
+
+
+def test_ranks_see_disjoint_samples_that_change_every_epoch(tiny_data):
+    from utils.config import build_config
+
+    cfg = build_config("quickstart", {"data_dir": str(tiny_data), "crop_size": 32, "n_patches": 2,
+                                      "batch_size": 4, "num_workers": 0})
+    for epoch in (0, 1):
+        r0, r1 = rank_indices(cfg, 0, 2, epoch), rank_indices(cfg, 1, 2, epoch)
+        assert r0 and r1 and not set(r0) & set(r1), f"ranks overlap in epoch {epoch}"
+    assert rank_indices(cfg, 0, 2, 0) != rank_indices(cfg, 0, 2, 1), "same order every epoch: set_epoch ignored"
+
+
 def test_two_ranks_equal_one_device(tiny_data, tmp_path):
     # Same global batch (4) and seed: 2 ranks x 2 samples must follow the single process's trajectory,
     # across an epoch boundary (8 steps per epoch).

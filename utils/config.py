@@ -195,6 +195,8 @@ class ProfileConfig:
     """Allocation events kept by the CUDA memory history."""
     nsys: bool = False
     """Emit NVTX ranges and cudaProfilerStart/Stop around the profiled steps (run under nsys)."""
+    breakdown_steps: int = 10
+    """With profile: timed steps per phase of the IO / SYNTHETIC / FULL throughput breakdown after training (0 = skip)."""
 
 
 SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "dist": DistConfig, "profile": ProfileConfig}

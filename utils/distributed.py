@@ -100,7 +100,7 @@ def device_for(env: DistEnv) -> torch.device:
 
 
 def init_distributed(timeout_s: float = 300.0) -> tuple[DistEnv, torch.device]:
-    """Read the environment, pick the device and, for more than one process, join the process group.
+    """Read the environment, pick the device and join the process group (one of its own for a lone process).
 
     nccl on GPUs, gloo on CPU. The bounded timeout makes a job whose peer died fail instead of hanging.
     For SLURM-only launches (srun, one task per GPU) MASTER_ADDR/MASTER_PORT must be exported.
@@ -109,22 +109,28 @@ def init_distributed(timeout_s: float = 300.0) -> tuple[DistEnv, torch.device]:
     device = device_for(env)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if env.world_size > 1 and not dist.is_initialized():
-        if env.source == "slurm":
-            os.environ.setdefault("RANK", str(env.rank))
-            os.environ.setdefault("WORLD_SIZE", str(env.world_size))
-            os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
-            if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-                raise RuntimeError(
-                    "launched by srun without torchrun: export MASTER_ADDR (first host of the "
-                    "allocation) and MASTER_PORT, or launch with torchrun"
-                )
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend=backend,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            device_id=device if device.type == "cuda" else None,
-        )
+    if dist.is_initialized():
+        return env, device
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if env.world_size == 1:
+        # Started without a launcher: a one-process group in memory, so DDP/FSDP code runs unchanged.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        return env, device
+    if env.source == "slurm":
+        os.environ.setdefault("RANK", str(env.rank))
+        os.environ.setdefault("WORLD_SIZE", str(env.world_size))
+        os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
+        if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+            raise RuntimeError(
+                "launched by srun without torchrun: export MASTER_ADDR (first host of the "
+                "allocation) and MASTER_PORT, or launch with torchrun"
+            )
+    dist.init_process_group(
+        backend=backend,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
     return env, device
 
 

@@ -357,7 +357,9 @@ def measure_matmul_flops(device, dtype=torch.float32, budget_s: float = 1.0) -> 
         b = torch.randn(side, side, device=device, dtype=dtype, generator=generator)
         fastest = fastest_of(a, b, repeats=4)  # the first includes kernel selection and allocation
         # The next size costs ~8x as much per matmul.
-        if fastest > 0.02 or side >= max_side or time.perf_counter() + 8 * fastest * 4 > deadline:
+        # Below 512 per-call overhead dominates: a busy machine must not stop the growth there.
+        out_of_time = side >= 512 and time.perf_counter() + 8 * fastest * 4 > deadline
+        if fastest > 0.02 or side >= max_side or out_of_time:
             break
         side *= 2
     if time.perf_counter() < deadline:

@@ -10,6 +10,8 @@ code never mentions any of it. The "units" are the model's uniform block lists:
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 from torch.distributed._composable import checkpoint as composable_checkpoint
@@ -64,11 +66,24 @@ def apply_ddp(model: nn.Module, cfg, device: torch.device) -> nn.Module:
 
     if cfg.dist.no_ddp:
         return model
+    # Recent PyTorch renamed the per-forward buffer sync; either way buffers are synced once at construction.
+    new_name = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    buffer_sync = {"forward_sync_buffers" if new_name else "broadcast_buffers": cfg.dist.broadcast_buffers}
     return DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=cfg.dist.bucket_cap_mb,
-        broadcast_buffers=cfg.dist.broadcast_buffers,
         gradient_as_bucket_view=cfg.dist.gradient_as_bucket_view,
         static_graph=cfg.dist.static_graph,
+        **buffer_sync,
     )
+
+
+def apply_fsdp(model: nn.Module, cfg, device: torch.device) -> nn.Module:
+    """FSDP2: fully_shard each Swin block (or RSTB) and the root, FSDP or HSDP (utils.fsdp.apply_fsdp).
+
+    Build the optimizer after this call: it must hold the sharded parameters.
+    """
+    from utils.fsdp import apply_fsdp as shard  # utils.fsdp imports this module
+
+    return shard(model, cfg, device)

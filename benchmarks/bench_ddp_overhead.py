@@ -1,0 +1,53 @@
+"""What DDP's gradient all-reduce costs: train_ddp.py with and without it, in one run, same machine.
+
+    python benchmarks/bench_ddp_overhead.py --nproc 2 -- --config quickstart --max_steps 40
+    python benchmarks/bench_ddp_overhead.py --nproc 4 -- --config baseline --max_steps 60   # one GPU node
+
+Arguments after `--` go to train_ddp.py. Each variant runs once under torchrun; the figure is the
+median of the logged samples/s after the first log window (start-up and warm-up excluded).
+`no_ddp` skips the all-reduce (ranks drift apart), so its speed is the compute-only bound.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def samples_per_sec(nproc: int, train_args: list[str], no_ddp: bool) -> float:
+    with tempfile.TemporaryDirectory() as run_dir:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               "train_ddp.py", *train_args, "--run_dir", run_dir, "--no_ddp", str(no_ddp).lower(),
+               "--progress", "never", "--val_every", "0", "--ckpt_every", "0"]
+        subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+        records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    rates = [r["samples_per_sec"] for r in records if r["kind"] == "train"][1:]
+    if not rates:
+        sys.exit("error: too few log records; raise --max_steps or lower --log_every")
+    return statistics.median(rates)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2, help="processes (GPUs) per node")
+    parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then train_ddp.py arguments")
+    args = parser.parse_args()
+    train_args = [a for a in args.train_args if a != "--"] or ["--config", "quickstart", "--max_steps", "40"]
+    with_ddp = samples_per_sec(args.nproc, train_args, no_ddp=False)
+    without = samples_per_sec(args.nproc, train_args, no_ddp=True)
+    print(f"{'variant':<10}{'samples/s':>12}")
+    print(f"{'ddp':<10}{with_ddp:>12.2f}")
+    print(f"{'no_ddp':<10}{without:>12.2f}")
+    print(f"DDP overhead: {100 * (without / with_ddp - 1):.1f}% more time per step than without all-reduce "
+          f"({args.nproc} processes, {' '.join(train_args)})")
+    print(json.dumps({"ddp_samples_per_sec": with_ddp, "no_ddp_samples_per_sec": without,
+                      "overhead": without / with_ddp - 1}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,336 @@
+"""FSDP2 for train_fsdp.py: sharding (FSDP or HSDP), mixed precision, sharded checkpoints, memory report.
+
+- ``apply_fsdp``: ``fully_shard`` on each Swin block (or RSTB) and then on the root, over a 1-D mesh
+  (FSDP: every rank holds 1/world_size of each parameter) or a 2-D mesh (HSDP: replicate across
+  ``hsdp_replicas`` groups, shard within each). Apply it after activation checkpointing and compile,
+  and build the optimizer afterwards, on the sharded parameters.
+- Checkpoints: one ``torch.distributed.checkpoint`` (DCP) folder per step, ``step_<step:08d>/``, in
+  which every rank writes its own shards. DCP reshards on load, so a run resumes on any number of
+  ranks. The folder is written under a hidden name and renamed when complete, so ``--resume`` never
+  picks a half-written one.
+- ``python -m utils.fsdp export CKPT_DIR OUT.pt`` turns such a folder into one file with the layout of
+  train.py's checkpoints (``{"model": state_dict, "optimizer": ...}``), on one process and without a
+  process group: ``build_model(cfg).load_state_dict(torch.load(OUT.pt)["model"])`` and
+  ``train.py --resume`` read it.
+- ``memory_record``: bytes of parameters, gradients and AdamW state held by each rank, against the
+  full copies that every DDP rank holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from utils.checkpoint import (CheckpointError, _fsync_dir, capture_rng_state, ensure_writable_dir,
+                              restore_rng_state)
+from utils.config import ConfigError
+from utils.distributed import barrier
+from utils.techniques import ac_units
+from utils.training import TrainState
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+HSDP_DIMS = ("replicate", "shard")
+CHECKPOINT_DIR = re.compile(r"^step_(\d+)$")
+TEMP_PREFIX = ".tmp-step_"
+DCP_METADATA = ".metadata"  # written last by DCP: a folder without it is not a checkpoint
+
+
+# ----------------------------------------------------------------------------- sharding
+
+
+def mesh_shape(world_size: int, hsdp_replicas: int) -> tuple[int, ...]:
+    """(world_size,) for FSDP; (replicas, world_size // replicas) for HSDP."""
+    if hsdp_replicas < 1 or world_size % hsdp_replicas:
+        raise ConfigError(f"hsdp_replicas {hsdp_replicas} must be >= 1 and divide the {world_size} ranks: "
+                          "use the number of nodes (replicate across nodes, shard within one)")
+    return (world_size,) if hsdp_replicas == 1 else (hsdp_replicas, world_size // hsdp_replicas)
+
+
+def _ensure_process_group(device: torch.device) -> None:
+    # A single process (python train_fsdp.py) still needs a group for DeviceMesh and DCP: an
+    # in-memory one of one rank.
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
+                                rank=0, world_size=1)
+
+
+def build_mesh(hsdp_replicas: int, device: torch.device) -> DeviceMesh:
+    """1-D mesh ("shard") over all ranks, or for HSDP a 2-D mesh ("replicate", "shard").
+
+    Ranks fill the mesh row by row, and torchrun numbers the ranks of a node consecutively, so with
+    ``hsdp_replicas`` = number of nodes each shard group is one node (fast links) and gradients
+    cross the network only in the all-reduce between replicas.
+    """
+    _ensure_process_group(device)
+    shape = mesh_shape(dist.get_world_size(), hsdp_replicas)
+    return init_device_mesh(device.type, shape, mesh_dim_names=HSDP_DIMS[-len(shape):])
+
+
+def mixed_precision(dist_cfg, cast_forward_inputs: bool = True) -> MixedPrecisionPolicy:
+    """Parameters all-gathered (and computed) in ``param_dtype``; gradients reduced in ``reduce_dtype``.
+
+    The sharded parameters, gradients and AdamW state stay fp32 whatever the policy. reduce_dtype
+    is always passed explicitly because its default has changed between PyTorch releases.
+    """
+    param_dtype = DTYPES[dist_cfg.param_dtype]
+    return MixedPrecisionPolicy(param_dtype=None if param_dtype == torch.float32 else param_dtype,
+                                reduce_dtype=DTYPES[dist_cfg.reduce_dtype], cast_forward_inputs=cast_forward_inputs)
+
+
+def apply_fsdp(model: nn.Module, cfg, device: torch.device) -> nn.Module:
+    """``fully_shard`` each unit (``fsdp_unit``: Swin block or RSTB), then the root; returns the model.
+
+    Units are sharded first so that each unit's parameters are gathered just before it runs and
+    freed after; the root then owns what is left (convolutions, norms, upsampler). The model must
+    be initialised identically on every rank (same seed): fully_shard does not broadcast, it keeps
+    each rank's slice of its own copy.
+
+    The root does not cast its input: the model subtracts the physical mean and divides by the std
+    in fp32 (a bf16 input would already be rounded, 278.39 K -> 278.0 K) and casts to the weights'
+    dtype itself; SwinIR casts its buffers (attention masks, position index lookups) at use.
+    """
+    d = cfg.dist
+    mesh = build_mesh(d.hsdp_replicas, device)
+    for unit in ac_units(model, d.fsdp_unit):
+        fully_shard(unit, mesh=mesh, mp_policy=mixed_precision(d), reshard_after_forward=d.reshard_after_forward)
+    # Root: reshard_after_forward left to FSDP (False for the root: backward needs its weights first).
+    fully_shard(model, mesh=mesh, mp_policy=mixed_precision(d, cast_forward_inputs=False))
+    return model
+
+
+# ----------------------------------------------------------------------------- memory report
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _bytes(tensors) -> int:
+    return sum(_local(t).numel() * t.element_size() for t in tensors)
+
+
+def optimizer_state_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> int:
+    """Bytes of optimizer state on this rank: measured once it exists, else AdamW's 2 x parameters.
+
+    AdamW allocates exp_avg and exp_avg_sq (each the size of the local shard) at its first step.
+    """
+    state = optimizer.state.values() if optimizer is not None else ()
+    measured = _bytes(t for s in state for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+    return measured or 2 * _bytes(model.parameters())
+
+
+def memory_record(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, step: int = 0) -> dict:
+    """Metrics record (kind "memory") of parameters + gradients + optimizer state per rank vs DDP.
+
+    Collective: every rank must call it. Sizes in MB (1e6 bytes), of the largest rank; total_mb_min
+    is the smallest (shards differ by at most a row). ddp_total_mb is what each DDP rank holds:
+    full fp32 copies of all three. Activations, all-gathered parameters and communication buffers
+    come on top, in both cases.
+    """
+    params = _bytes(model.parameters())
+    local = torch.tensor([params, params, optimizer_state_bytes(model, optimizer)], dtype=torch.float64)
+    device = _local(next(model.parameters())).device
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    gathered = [torch.zeros_like(local, device=device) for _ in range(world)]
+    if world > 1:
+        dist.all_gather(gathered, local.to(device))
+    else:
+        gathered[0] = local
+    per_rank = torch.stack(gathered).cpu() / 1e6  # (ranks, [params, grads, optimizer])
+    full_params = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
+    ddp_total = 4 * full_params  # parameters + gradients + AdamW's two moments
+    largest = per_rank[per_rank.sum(1).argmax()]
+    return {"kind": "memory", "step": step, "params_mb": largest[0].item(), "grads_mb": largest[1].item(),
+            "optimizer_mb": largest[2].item(), "total_mb": largest.sum().item(),
+            "total_mb_min": per_rank.sum(1).min().item(), "ddp_total_mb": ddp_total,
+            "vs_ddp": largest.sum().item() / ddp_total}
+
+
+# ----------------------------------------------------------------------------- sharded checkpoints
+
+
+def sharded_payload(model, optimizer, scheduler, scaler, state: TrainState, cfg=None) -> dict:
+    """What a resumed run needs, as a DCP state dict (the entries of train.py's checkpoints).
+
+    Model and optimizer come from ``get_state_dict``: sharded tensors under plain parameter names,
+    which is what lets DCP reshard them. The other entries are the same on every rank and DCP
+    writes them once. The CUDA RNG states are a tuple and the config a JSON string because DCP
+    loads such values whole, whatever their length or keys, so a run resumes on another GPU
+    count or with a newer config schema.
+    """
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    rng = capture_rng_state()
+    rng["cuda"] = tuple(rng.get("cuda", ()))
+    return {"model": model_state, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict(), "train_state": asdict(state), "rng": rng,
+            "config": json.dumps(cfg.to_dict() if cfg is not None else {})}
+
+
+def _is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _checkpoints_by_step(ckpt_dir: Path) -> list[tuple[int, Path]]:
+    """Complete DCP checkpoint folders in ``ckpt_dir``, oldest step first."""
+    if not ckpt_dir.is_dir():
+        return []
+    found = []
+    for entry in ckpt_dir.iterdir():
+        match = CHECKPOINT_DIR.match(entry.name)
+        if match and (entry / DCP_METADATA).is_file():
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def latest_sharded_checkpoint(ckpt_dir) -> Optional[Path]:
+    """The complete DCP checkpoint with the highest step, or None; single-file checkpoints are an error."""
+    ckpt_dir = Path(ckpt_dir)
+    found = _checkpoints_by_step(ckpt_dir)
+    if not found and ckpt_dir.is_dir() and any(ckpt_dir.glob("step_*.pt")):
+        raise CheckpointError(f"{ckpt_dir} holds single-file checkpoints (train.py / train_ddp.py), which "
+                              "train_fsdp.py does not resume: resume with the script that wrote them, or "
+                              "choose another --run_dir")
+    return found[-1][1] if found else None
+
+
+def save_sharded_checkpoint(ckpt_dir, step: int, payload: dict, keep: int = 2) -> Path:
+    """Every rank writes its shards of ``payload`` to ``ckpt_dir/step_{step:08d}/``; keep the ``keep`` newest.
+
+    Collective. DCP writes into a hidden folder, which rank 0 renames once all ranks have finished:
+    a job killed mid-save leaves the previous checkpoint as the latest (and a hidden folder that the
+    next save removes). ``keep < 1`` keeps every checkpoint.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    final = ckpt_dir / f"step_{step:08d}"
+    temp = ckpt_dir / f"{TEMP_PREFIX}{step:08d}"
+    if _is_main():
+        ensure_writable_dir(ckpt_dir)
+        for stale in ckpt_dir.glob(TEMP_PREFIX + "*"):
+            shutil.rmtree(stale, ignore_errors=True)
+    barrier()  # nobody writes into a folder that rank 0 is still clearing
+    try:
+        dcp.save(payload, checkpoint_id=temp)
+    except (OSError, CheckpointException) as error:  # DCP raises on every rank if any rank failed
+        if _is_main():
+            shutil.rmtree(temp, ignore_errors=True)
+        raise CheckpointError(f"could not write checkpoint {final} ({error}): free space or choose another "
+                              "--run_dir; the previous checkpoint is intact") from None
+    barrier()  # every rank's shards are on disk
+    if _is_main():
+        if final.exists():  # a step saved by an earlier run in the same folder
+            shutil.rmtree(final)
+        os.replace(temp, final)
+        _fsync_dir(ckpt_dir)
+        if keep >= 1:
+            older = [path for _, path in _checkpoints_by_step(ckpt_dir) if path != final]
+            for path in older[: max(0, len(older) - (keep - 1))]:
+                shutil.rmtree(path, ignore_errors=True)
+    barrier()  # nobody runs ahead (or exits) before the checkpoint is in place
+    return final
+
+
+def load_sharded_checkpoint(path, model, optimizer, scheduler, scaler) -> TrainState:
+    """Load a DCP checkpoint into the already sharded model and its optimizer (any rank count); collective."""
+    payload = sharded_payload(model, optimizer, scheduler, scaler, TrainState())
+    try:
+        dcp.load(payload, checkpoint_id=path)
+    except CheckpointException as error:
+        raise CheckpointError(f"checkpoint {path} does not fit this model or is damaged ({_first_line(error)}): "
+                              "resume with the config that wrote it, or start without --resume") from None
+    set_state_dict(model, optimizer, model_state_dict=payload["model"], optim_state_dict=payload["optimizer"])
+    scheduler.load_state_dict(payload["scheduler"])
+    scaler.load_state_dict(payload["scaler"])
+    restore_rng_state(payload["rng"])
+    return TrainState(**payload["train_state"])
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+
+
+# ----------------------------------------------------------------------------- export to one file
+
+
+def _optimizer_by_index(optimizer_state: dict) -> dict:
+    """get_state_dict's optimizer state (keyed by parameter name) -> ``optimizer.state_dict()``'s (by index).
+
+    Indices count parameters group by group in order, as ``Optimizer.state_dict`` does, and the
+    groups list parameters in ``model.parameters()`` order, so they match a plain model's optimizer.
+    """
+    index: dict[str, int] = {}
+    for group in optimizer_state["param_groups"]:
+        for name in group["params"]:
+            index.setdefault(name, len(index))
+    return {"state": {index[name]: state for name, state in optimizer_state["state"].items()},
+            "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
+                             for group in optimizer_state["param_groups"]]}
+
+
+def export_full_state_dict(checkpoint, out) -> Path:
+    """Write DCP checkpoint folder ``checkpoint`` as one file ``out`` in train.py's layout (one process).
+
+    Full (unsharded) tensors on the CPU; needs memory for the whole model and optimizer state.
+    """
+    checkpoint, out = Path(checkpoint), Path(out)
+    if not (checkpoint / DCP_METADATA).is_file():
+        raise CheckpointError(f"{checkpoint} is not a complete DCP checkpoint folder (no {DCP_METADATA}): "
+                              "pass a step_<N> folder from <run_dir>/checkpoints")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, temp = tempfile.mkstemp(dir=out.parent, prefix=f".tmp-{out.name}-")
+    os.close(fd)
+    try:
+        dcp_to_torch_save(checkpoint, temp)
+        payload = torch.load(temp, map_location="cpu", weights_only=False)
+        payload["optimizer"] = _optimizer_by_index(payload["optimizer"])
+        payload.setdefault("scaler", {})  # DCP stores no empty dicts (a disabled GradScaler's state)
+        cuda_rng = payload["rng"].pop("cuda")
+        if cuda_rng:  # as capture_rng_state: a list, and only where CUDA was available
+            payload["rng"]["cuda"] = list(cuda_rng)
+        payload["config"] = json.loads(payload["config"])
+        torch.save(payload, temp)
+        os.replace(temp, out)
+    except BaseException as error:
+        Path(temp).unlink(missing_ok=True)
+        if isinstance(error, (OSError, CheckpointException, KeyError)):
+            raise CheckpointError(f"could not export {checkpoint} to {out} ({_first_line(error)})") from None
+        raise
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m utils.fsdp",
+                                     description="Tools for train_fsdp.py's sharded (DCP) checkpoints.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    export = commands.add_parser("export", help="write a DCP checkpoint folder as one train.py-style .pt file")
+    export.add_argument("checkpoint", help="a <run_dir>/checkpoints/step_<N> folder")
+    export.add_argument("out", help="the .pt file to write")
+    args = parser.parse_args(argv)
+    try:
+        path = export_full_state_dict(args.checkpoint, args.out)
+    except CheckpointError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
