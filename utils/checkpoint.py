@@ -78,7 +78,7 @@ def _check_weights_only_types(value: Any, where: str) -> None:
             _check_weights_only_types(item, f"{where}[{index}]")
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     # Makes the rename itself durable; directories cannot be opened like this on Windows.
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -139,7 +139,7 @@ def save_checkpoint(ckpt_dir, step: int, state: dict, keep: int = 2) -> Path:
                 "choose another --run_dir; the previous checkpoint is intact"
             ) from None
         raise
-    _fsync_dir(ckpt_dir)
+    fsync_dir(ckpt_dir)
 
     if keep >= 1:
         older = [path for _, path in _checkpoints_by_step(ckpt_dir) if path != final_path]

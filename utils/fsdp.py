@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from utils.checkpoint import (CheckpointError, _fsync_dir, capture_rng_state, ensure_writable_dir,
+from utils.checkpoint import (CheckpointError, fsync_dir, capture_rng_state, ensure_writable_dir,
                               restore_rng_state)
 from utils.config import ConfigError
 from utils.distributed import barrier
@@ -140,8 +140,9 @@ def optimizer_state_bytes(model: nn.Module, optimizer: Optional[torch.optim.Opti
 def memory_record(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, step: int = 0) -> dict:
     """Metrics record (kind "memory") of parameters + gradients + optimizer state per rank vs DDP.
 
-    Collective: every rank must call it. Sizes in MB (1e6 bytes), of the largest rank; total_mb_min
-    is the smallest (shards differ by at most a row). ddp_total_mb is what each DDP rank holds:
+    Collective: every rank must call it. ``shards``: ranks that split each parameter (world size for
+    FSDP, ranks per replica for HSDP). Sizes in MB (1e6 bytes), of the largest rank; total_mb_min is
+    the smallest (shards differ by at most a row). ddp_total_mb is what each DDP rank holds:
     full fp32 copies of all three. Activations, all-gathered parameters and communication buffers
     come on top, in both cases.
     """
@@ -158,7 +159,10 @@ def memory_record(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] =
     full_params = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
     ddp_total = 4 * full_params  # parameters + gradients + AdamW's two moments
     largest = per_rank[per_rank.sum(1).argmax()]
-    return {"kind": "memory", "step": step, "params_mb": largest[0].item(), "grads_mb": largest[1].item(),
+    mesh = getattr(next(model.parameters()), "device_mesh", None)
+    shards = mesh.size(mesh.ndim - 1) if mesh is not None else 1
+    return {"kind": "memory", "step": step, "ranks": world, "shards": shards,
+            "params_mb": largest[0].item(), "grads_mb": largest[1].item(),
             "optimizer_mb": largest[2].item(), "total_mb": largest.sum().item(),
             "total_mb_min": per_rank.sum(1).min().item(), "ddp_total_mb": ddp_total,
             "vs_ddp": largest.sum().item() / ddp_total}
@@ -231,14 +235,14 @@ def save_sharded_checkpoint(ckpt_dir, step: int, payload: dict, keep: int = 2) -
     except (OSError, CheckpointException) as error:  # DCP raises on every rank if any rank failed
         if _is_main():
             shutil.rmtree(temp, ignore_errors=True)
-        raise CheckpointError(f"could not write checkpoint {final} ({error}): free space or choose another "
-                              "--run_dir; the previous checkpoint is intact") from None
+        raise CheckpointError(f"could not write checkpoint {final} ({_first_line(error)}): free space or choose "
+                              "another --run_dir; the previous checkpoint is intact") from None
     barrier()  # every rank's shards are on disk
     if _is_main():
         if final.exists():  # a step saved by an earlier run in the same folder
             shutil.rmtree(final)
         os.replace(temp, final)
-        _fsync_dir(ckpt_dir)
+        fsync_dir(ckpt_dir)
         if keep >= 1:
             older = [path for _, path in _checkpoints_by_step(ckpt_dir) if path != final]
             for path in older[: max(0, len(older) - (keep - 1))]:
@@ -263,6 +267,10 @@ def load_sharded_checkpoint(path, model, optimizer, scheduler, scaler) -> TrainS
 
 
 def _first_line(error: BaseException) -> str:
+    """A short reason; for DCP's CheckpointException, that of the first failing rank."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (cause, _) = min(error.failures.items(), key=lambda item: item[0])
+        return f"rank {rank}: {type(cause).__name__}: {_first_line(cause)}"
     return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
 
 
@@ -298,14 +306,15 @@ def export_full_state_dict(checkpoint, out) -> Path:
     os.close(fd)
     try:
         dcp_to_torch_save(checkpoint, temp)
-        payload = torch.load(temp, map_location="cpu", weights_only=False)
-        payload["optimizer"] = _optimizer_by_index(payload["optimizer"])
-        payload.setdefault("scaler", {})  # DCP stores no empty dicts (a disabled GradScaler's state)
-        cuda_rng = payload["rng"].pop("cuda")
+        saved = torch.load(temp, map_location="cpu", weights_only=True)
+        rng = saved["rng"]
+        cuda_rng = rng.pop("cuda")
         if cuda_rng:  # as capture_rng_state: a list, and only where CUDA was available
-            payload["rng"]["cuda"] = list(cuda_rng)
-        payload["config"] = json.loads(payload["config"])
-        torch.save(payload, temp)
+            rng["cuda"] = list(cuda_rng)
+        torch.save({"model": saved["model"], "optimizer": _optimizer_by_index(saved["optimizer"]),
+                    "scheduler": saved["scheduler"],
+                    "scaler": saved.get("scaler", {}),  # DCP stores no empty dict (a disabled GradScaler's)
+                    "train_state": saved["train_state"], "rng": rng, "config": json.loads(saved["config"])}, temp)
         os.replace(temp, out)
     except BaseException as error:
         Path(temp).unlink(missing_ok=True)

@@ -18,8 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from utils.checkpoint import (CheckpointError, capture_rng_state, latest_checkpoint, restore_rng_state,
-                              strip_wrapper_prefixes)
+from utils.checkpoint import CheckpointError, capture_rng_state, restore_rng_state, strip_wrapper_prefixes
 from utils.config import Config, ConfigError
 from utils.data import DataError
 from utils.distributed import DistEnv, device_for
@@ -199,8 +198,8 @@ def check_finite(loss_total: torch.Tensor, step: int, ckpt_dir) -> float:
     value = loss_total.item()
     if not math.isfinite(value):
         raise NonFiniteLossError(
-            f"loss is {value} by step {step}: stopping without saving; the last good checkpoint is "
-            f"{latest_checkpoint(ckpt_dir)}. Lower --lr, or use --amp_dtype bf16 instead of fp16")
+            f"loss is {value} by step {step}: stopping without saving; the newest checkpoint in {ckpt_dir} "
+            "is the last good one. Lower --lr, or use --amp_dtype bf16 instead of fp16")
     return value
 
 

@@ -1,0 +1,240 @@
+"""train_fsdp.py and utils/fsdp.py on CPU (gloo): equals one process, bf16 policy, HSDP, DCP checkpoints.
+
+Few launches (torchrun start-up dominates): one train.py reference and one 2-rank FSDP run shared by
+several tests; resumes start from copies of the FSDP run's checkpoints. The rest runs in-process on
+a one-rank process group.
+"""
+
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.conftest import TINY_MODEL, run_script, tiny_args
+from tests.test_ddp import TORCHRUN, assert_same_weights, train_losses
+from tests.test_train import read_metrics
+from utils.checkpoint import CheckpointError
+from utils.config import ConfigError, build_config
+
+TORCHRUN_4 = [*TORCHRUN[:-1], "4"]
+STEPS = ("--max_steps", "10", "--log_every", "1", "--ckpt_every", "3", "--keep_checkpoints", "10")
+
+
+def ckpt(run_dir, step: int):
+    return run_dir / "checkpoints" / f"step_{step:08d}"
+
+
+def exported(run_dir, step: int) -> dict:
+    """The DCP checkpoint of ``step`` as a train.py payload, exported in this (single) process."""
+    from utils.fsdp import export_full_state_dict
+
+    out = run_dir / "exported" / f"step_{step}.pt"
+    if not out.exists():
+        export_full_state_dict(ckpt(run_dir, step), out)
+    return torch.load(out, map_location="cpu", weights_only=True)
+
+
+def plain_weights(run_dir, step: int) -> dict:
+    return torch.load(run_dir / "checkpoints" / f"step_{step:08d}.pt", map_location="cpu", weights_only=True)["model"]
+
+
+def resume_from(source, step: int, run_dir):
+    """A run folder whose only checkpoint is a copy of ``source``'s at ``step``."""
+    shutil.copytree(ckpt(source, step), ckpt(run_dir, step))
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_data, tmp_path_factory):
+    """train.py and 2-rank train_fsdp.py, fp32, same global batch: 10 steps across an epoch boundary."""
+    root = tmp_path_factory.mktemp("fsdp_runs")
+    single, fsdp = root / "single", root / "fsdp"
+    run_script("train.py", *tiny_args(tiny_data, single, *STEPS))
+    proc = run_script("train_fsdp.py", *tiny_args(tiny_data, fsdp, *STEPS), launcher=TORCHRUN)
+    return {"single": single, "fsdp": fsdp, "stdout": proc.stdout}
+
+
+def test_two_ranks_equal_one_process(runs):
+    single, fsdp = runs["single"], runs["fsdp"]
+    assert "world_size=2 nodes=1 backend=gloo" in runs["stdout"]
+    torch.testing.assert_close(train_losses(fsdp), train_losses(single), rtol=1e-4, atol=1e-5)
+    for step in (3, 10):
+        assert_same_weights(exported(fsdp, step)["model"], plain_weights(single, step))
+    val_single, val_fsdp = (next(r for r in read_metrics(run) if r["kind"] == "val") for run in (single, fsdp))
+    torch.testing.assert_close(val_fsdp["rmse"], val_single["rmse"], rtol=1e-4, atol=1e-5)
+    # Each rank holds half of parameters + gradients + AdamW state; DDP would hold all of it.
+    memory = next(r for r in read_metrics(fsdp) if r["kind"] == "memory")
+    assert memory["shards"] == 2 and memory["vs_ddp"] == pytest.approx(0.5, abs=0.01)
+    assert memory["total_mb"] == pytest.approx(memory["params_mb"] * 4)
+
+
+def test_export_loads_into_the_plain_model_and_train_py_state(runs, tiny_data):
+    from models import build_model
+    from utils.training import build_optimizer, make_grad_scaler, restore_payload
+
+    payload = exported(runs["fsdp"], 10)
+    reference = torch.load(runs["single"] / "checkpoints" / "step_00000010.pt", weights_only=True)
+    assert list(payload) == list(reference)
+    cfg = build_config("quickstart", _tiny_overrides(tiny_data))
+    model = build_model(cfg.model)
+    model.load_state_dict(payload["model"])  # strict
+    optimizer, scheduler = build_optimizer(model, cfg, steps_per_epoch=8, device=torch.device("cpu"))
+    state = restore_payload(payload, model, optimizer, scheduler, make_grad_scaler(torch.device("cpu"), "none"))
+    assert (state.step, state.epoch, state.batch_in_epoch) == (10, 1, 2)
+    assert optimizer.state_dict()["param_groups"] == reference["optimizer"]["param_groups"]
+    restored = optimizer.state_dict()["state"]
+    for index, moments in reference["optimizer"]["state"].items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(restored[index][name], moments[name], rtol=1e-4, atol=1e-6)
+
+
+def test_resume_on_two_ranks_is_exact(runs, tiny_data, tmp_path):
+    fsdp = runs["fsdp"]
+    resumed = resume_from(fsdp, 3, tmp_path / "resumed")
+    proc = run_script("train_fsdp.py", *tiny_args(tiny_data, resumed, "--max_steps", "6", "--log_every", "1",
+                                                  "--resume"), launcher=TORCHRUN)
+    assert "resumed from" in proc.stdout and "step_00000003" in proc.stdout
+    a, b = exported(fsdp, 6), exported(resumed, 6)
+    for key in a["model"]:
+        torch.testing.assert_close(b["model"][key], a["model"][key], rtol=0, atol=0, msg=key)
+    for index, moments in a["optimizer"]["state"].items():
+        for name, value in moments.items():
+            torch.testing.assert_close(b["optimizer"]["state"][index][name], value, rtol=0, atol=0)
+    assert train_losses(resumed) == train_losses(fsdp)[3:6]
+
+
+def test_hsdp_2x2_with_ac_resumes_a_2_rank_checkpoint(runs, tiny_data, tmp_path):
+    # 4 ranks as 2 replicas x 2 shards, from the 2-rank FSDP checkpoint (DCP reshards), with activation
+    # checkpointing on the same blocks that are sharded: still train.py's trajectory.
+    hsdp = resume_from(runs["fsdp"], 3, tmp_path / "hsdp")
+    run_script("train_fsdp.py", *tiny_args(tiny_data, hsdp, "--max_steps", "6", "--log_every", "1",
+                                           "--hsdp_replicas", "2", "--ac", "block", "--resume"),
+               launcher=TORCHRUN_4)
+    assert_same_weights(exported(hsdp, 6)["model"], plain_weights(runs["single"], 6))
+    torch.testing.assert_close(train_losses(hsdp), train_losses(runs["single"])[3:6], rtol=1e-4, atol=1e-5)
+    memory = next(r for r in read_metrics(hsdp) if r["kind"] == "memory")
+    assert (memory["ranks"], memory["shards"]) == (4, 2) and memory["vs_ddp"] == pytest.approx(0.5, abs=0.01)
+
+
+def test_bf16_policy_trains_and_tracks_fp32(runs, tiny_data, tmp_path):
+    # bf16 parameters in forward/backward (fp32 reduce and master weights); also the other options:
+    # RSTB units, AC per block inside them, parameters kept gathered between forward and backward.
+    bf16 = tmp_path / "bf16"
+    run_script("train_fsdp.py", *tiny_args(tiny_data, bf16, "--max_steps", "10", "--log_every", "1",
+                                           "--param_dtype", "bf16", "--reduce_dtype", "fp32", "--fsdp_unit", "layer",
+                                           "--ac", "block", "--reshard_after_forward", "false"), launcher=TORCHRUN)
+    fp32_losses, bf16_losses = train_losses(runs["fsdp"]), train_losses(bf16)
+    assert len(bf16_losses) == 10
+    torch.testing.assert_close(bf16_losses, fp32_losses, rtol=0.03, atol=0)
+    assert bf16_losses != fp32_losses, "bf16 losses equal fp32 bit for bit: the policy was not applied"
+
+
+def test_hsdp_replicas_must_divide_the_ranks(tiny_data, tmp_path):
+    proc = run_script("train_fsdp.py", *tiny_args(tiny_data, tmp_path / "run", "--hsdp_replicas", "2"),
+                      check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "hsdp_replicas 2 must be >= 1 and divide the 1 ranks" in proc.stderr.strip().splitlines()[-1]
+
+
+# ----------------------------------------------------------------------------- in-process, one rank
+
+
+@pytest.fixture
+def one_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _tiny_overrides(data_dir=None, **extra) -> dict:
+    """The tests' tiny SwinIR as config overrides (build_config parses the command-line strings)."""
+    overrides = {key[2:]: value for key, value in zip(TINY_MODEL[::2], TINY_MODEL[1::2])}
+    if data_dir is not None:
+        overrides["data_dir"] = str(data_dir)
+    return {**overrides, **extra}
+
+
+def _sharded_model(**overrides):
+    from models import build_model
+    from utils.fsdp import apply_fsdp
+
+    cfg = build_config("quickstart", _tiny_overrides(**overrides))
+    torch.manual_seed(0)
+    return apply_fsdp(build_model(cfg.model), cfg, torch.device("cpu")), cfg
+
+
+def test_mesh_shape():
+    from utils.fsdp import mesh_shape
+
+    assert mesh_shape(8, 1) == (8,) and mesh_shape(8, 2) == (2, 4)
+    for replicas in (0, 3):
+        with pytest.raises(ConfigError, match="divide the 8 ranks"):
+            mesh_shape(8, replicas)
+
+
+def test_bf16_policy_computes_in_bf16_but_normalises_in_fp32(one_rank):
+    model, _ = _sharded_model(param_dtype="bf16")
+    seen = {}
+
+    def record_input_dtype(name):
+        def hook(module, args):  # runs after FSDP's own pre-forward (registered later), returns None
+            seen[name] = args[0].dtype
+        return hook
+
+    model.register_forward_pre_hook(record_input_dtype("root"))
+    model.swin_blocks()[0].attn.qkv.register_forward_pre_hook(record_input_dtype("block"))
+    lr = torch.full((1, 3, 16, 16), 278.39)
+    out = model(lr)
+    out.mean().backward()
+    # Root input not cast: the physical-unit shift runs in fp32 (bf16 would round 278.39 to 278.0).
+    assert seen == {"root": torch.float32, "block": torch.bfloat16}
+    assert out.dtype == torch.float32
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())  # fp32 reduce + master weights
+
+
+def test_memory_record_predicts_adamw_state(one_rank):
+    from utils.fsdp import memory_record
+
+    model, _ = _sharded_model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    before = memory_record(model, optimizer)
+    model(torch.rand(1, 3, 16, 16)).mean().backward()
+    optimizer.step()
+    after = memory_record(model, optimizer, step=1)
+    full_mb = sum(p.numel() for p in model.parameters()) * 4 / 1e6
+    assert before["params_mb"] == pytest.approx(full_mb) and before["ddp_total_mb"] == pytest.approx(4 * full_mb)
+    assert after["optimizer_mb"] == pytest.approx(before["optimizer_mb"]) == pytest.approx(2 * full_mb)
+    assert (after["kind"], after["step"], after["ranks"], after["shards"]) == ("memory", 1, 1, 1)
+
+
+def test_checkpoints_are_complete_or_ignored(one_rank, tmp_path):
+    from utils.fsdp import latest_sharded_checkpoint, save_sharded_checkpoint
+
+    ckpt_dir = tmp_path / "checkpoints"
+    assert latest_sharded_checkpoint(ckpt_dir) is None
+    for step in (1, 2, 3):
+        save_sharded_checkpoint(ckpt_dir, step, {"w": torch.full((4,), float(step))}, keep=2)
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step_00000002", "step_00000003"]
+    # What a crash mid-save leaves: a hidden folder, or a step folder without DCP's metadata.
+    (ckpt_dir / ".tmp-step_00000009").mkdir()
+    (ckpt_dir / "step_00000012").mkdir()
+    assert latest_sharded_checkpoint(ckpt_dir).name == "step_00000003"
+    save_sharded_checkpoint(ckpt_dir, 4, {"w": torch.zeros(4)}, keep=0)
+    assert not (ckpt_dir / ".tmp-step_00000009").exists()
+    assert latest_sharded_checkpoint(ckpt_dir).name == "step_00000004"
+
+
+def test_single_file_checkpoints_and_bad_export_are_one_line_errors(tmp_path, capsys):
+    from utils.fsdp import latest_sharded_checkpoint, main
+
+    ckpt_dir = tmp_path / "checkpoints"
+    ckpt_dir.mkdir()
+    (ckpt_dir / "step_00000005.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="single-file checkpoints"):
+        latest_sharded_checkpoint(ckpt_dir)
+    assert main(["export", str(ckpt_dir), str(tmp_path / "out.pt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not a complete DCP checkpoint" in err
+    assert not list(tmp_path.glob("*.pt")) and not list(tmp_path.glob(".tmp-*"))

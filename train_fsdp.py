@@ -1,0 +1,153 @@
+"""Step 3b — sharded data parallelism: train_ddp.py with FSDP2 (fully_shard) instead of DDP.
+
+Each rank keeps 1/world_size of every parameter, gradient and AdamW state (DDP: full copies) and
+all-gathers one Swin block (or RSTB, --fsdp_unit layer) just before it runs. --hsdp_replicas N
+shards within groups and replicates across N of them (HSDP: one group per node); --param_dtype bf16
+computes in bf16 with fp32 master weights. Checkpoints are sharded torch.distributed.checkpoint
+folders that resume on any number of ranks; `python -m utils.fsdp export` makes a train.py file.
+
+Launch (torchrun starts one process per GPU and sets RANK, LOCAL_RANK, WORLD_SIZE):
+    torchrun --nproc-per-node 4 train_fsdp.py --config baseline --param_dtype bf16   # one node, 4 GPUs
+    torchrun --nproc-per-node 2 train_fsdp.py --config quickstart      # laptop: 2 CPU processes, gloo
+    sbatch --nodes 2 submit_multinode.sh train_fsdp.py --config baseline --hsdp_replicas 2   # HSDP
+Any config key can be overridden on the command line; `python train_fsdp.py --help` lists them all.
+"""
+
+import time
+
+import torch
+from tqdm import tqdm
+
+from models import build_model
+from utils.checkpoint import CheckpointError, ensure_writable_dir
+from utils.config import parse_config
+from utils.data import CHANNEL_NAMES, build_loaders
+from utils.distributed import all_reduce_max, all_reduce_mean, cleanup_distributed, init_distributed
+from utils.metrics import (MetricsLogger, device_peak_flops, mfu, peak_memory_gb, reset_peak_memory,
+                           save_sample_png, train_flops_per_sample)
+from utils.fsdp import (latest_sharded_checkpoint, load_sharded_checkpoint, memory_record, save_sharded_checkpoint,
+                        sharded_payload)
+from utils.techniques import apply_ac, apply_compile, apply_fsdp
+from utils.training import (TrainState, autocast, build_loss, build_optimizer, check_finite, configure_backends,
+                            evaluate, make_grad_scaler, run_cli,
+                            seed_everything, show_progress, total_steps)
+
+
+def main():
+    # ------------------------------------------------------------------------------------------ Setup
+    cfg = parse_config(__doc__)
+    tcfg = cfg.train
+    env, device = init_distributed(cfg.dist.dist_timeout_s)
+    log0 = print if env.is_main else lambda *args: None  # one copy of each message, not world_size
+    seed_everything(tcfg.seed)
+    configure_backends(cfg)
+
+    # ------------------------------------------------------------------------------------------- Data
+    train_loader, val_loader = build_loaders(cfg, env.rank, env.world_size)
+    steps_per_epoch = len(train_loader)
+    max_steps = total_steps(cfg, steps_per_epoch)
+
+    # ------------------------------------------------------------------------------------------ Model
+    raw_model = build_model(cfg.model).to(device)
+    model = apply_ac(raw_model, tcfg.ac)
+    model = apply_compile(model, tcfg.compile)
+    model = apply_fsdp(model, cfg, device)  # in place: raw_model is model, sharded
+    lr_shape = tuple(val_loader.dataset[0][0].shape)
+    flops_per_sample = train_flops_per_sample(lambda: build_model(cfg.model), lr_shape)
+    peak_flops = env.world_size * device_peak_flops(device, tcfg.amp_dtype)  # MFU of all devices together
+
+    # -------------------------------------------------------------------------------------- Optimizer
+    optimizer, scheduler = build_optimizer(model, cfg, steps_per_epoch, device)  # on the local shards
+    scaler = make_grad_scaler(device, tcfg.amp_dtype)
+    loss_fn = build_loss(tcfg.loss)
+    state = TrainState()
+    ckpt_dir = f"{tcfg.run_dir}/checkpoints"
+    if tcfg.resume:
+        latest = latest_sharded_checkpoint(ckpt_dir)
+        if latest is None:
+            raise CheckpointError(f"--resume: no checkpoint in {ckpt_dir}; run without --resume to start fresh")
+        state = load_sharded_checkpoint(latest, model, optimizer, scheduler, scaler)
+        log0(f"resumed from {latest} at step {state.step}")
+    if env.is_main:
+        ensure_writable_dir(tcfg.run_dir)
+    logger = MetricsLogger(tcfg.run_dir, enabled=env.is_main, console=tqdm.write, channel_names=CHANNEL_NAMES)
+    log0(f"world_size={env.world_size} nodes={env.num_nodes} backend={torch.distributed.get_backend()}")
+    log0(f"model: {sum(p.numel() for p in raw_model.parameters()):,} parameters | device: {device} | "
+          f"{steps_per_epoch} steps/epoch, {max_steps} steps | {flops_per_sample / 1e9:.1f} GFLOP/sample/step")
+    logger.log(memory_record(model, optimizer, state.step))  # per rank: params + grads + AdamW state vs DDP
+
+    # ------------------------------------------------------------------------------------- Validation
+    def validate():
+        result = evaluate(model, val_loader, device, tcfg.amp_dtype, cfg.model.upscale, all_reduce=True)
+        logger.log({"kind": "val", "step": state.step, "epoch": state.epoch,
+                    "rmse": result.rmse, "bicubic_rmse": result.bicubic_rmse})
+        if env.is_main:
+            save_sample_png(f"{tcfg.run_dir}/samples/step_{state.step}.png", *result.sample, CHANNEL_NAMES)
+
+    def save():
+        save_sharded_checkpoint(ckpt_dir, state.step,  # every rank writes its shards
+                                sharded_payload(model, optimizer, scheduler, scaler, state, cfg),
+                                keep=tcfg.keep_checkpoints)
+
+    # ------------------------------------------------------------------------------------- Train loop
+    model.train()
+    progress = tqdm(total=max_steps, initial=state.step, unit="step",
+                    disable=not (env.is_main and show_progress(tcfg.progress)))
+    loss_sum, loss_count = torch.zeros((), device=device), 0
+    window_start, window_samples = time.perf_counter(), 0
+    reset_peak_memory(device)
+    while state.step < max_steps:
+        # Same seed + epoch -> same order and crops: a resumed run sees exactly the same batches.
+        train_loader.sampler.set_epoch(state.epoch, start_batch=state.batch_in_epoch)
+        train_loader.dataset.set_epoch(state.epoch)
+        for lr, hr in train_loader:
+            lr, hr = lr.to(device, non_blocking=True), hr.to(device, non_blocking=True)
+
+            optimizer.zero_grad(set_to_none=True)
+            with autocast(device, tcfg.amp_dtype):
+                pred = model(lr)
+            loss = loss_fn(pred.float(), hr)  # the loss in fp32 and in physical units
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            scheduler.step()
+
+            state.step += 1
+            state.batch_in_epoch += 1
+            loss_sum += loss.detach()
+            loss_count += 1
+            window_samples += lr.shape[0]
+            progress.update(1)
+
+            end_of_epoch = state.batch_in_epoch == steps_per_epoch
+            done = state.step == max_steps
+            if state.step % tcfg.log_every == 0 or done:
+                mean_loss = check_finite(all_reduce_mean(loss_sum / loss_count), state.step, ckpt_dir)
+                samples_per_sec = env.world_size * window_samples / (time.perf_counter() - window_start)
+                logger.log({"kind": "train", "step": state.step, "epoch": state.epoch, "loss": mean_loss,
+                            "lr": scheduler.get_last_lr()[0], "samples_per_sec": samples_per_sec,
+                            "mfu": mfu(flops_per_sample, samples_per_sec, peak_flops),
+                            "peak_mem_gb": all_reduce_max(peak_memory_gb(device), device)})
+                progress.set_postfix(loss=f"{mean_loss:.4f}")
+                loss_sum.zero_()
+                loss_count, window_start, window_samples = 0, time.perf_counter(), 0
+            if (tcfg.val_every and state.step % tcfg.val_every == 0) or (not tcfg.val_every and end_of_epoch) or done:
+                validate()
+            if (tcfg.ckpt_every and state.step % tcfg.ckpt_every == 0) or end_of_epoch or done:
+                check_finite(all_reduce_mean(loss_sum), state.step, ckpt_dir)  # never save a diverged step
+                save()
+            if end_of_epoch or done:
+                break
+        if state.batch_in_epoch == steps_per_epoch:
+            state.epoch += 1
+            state.batch_in_epoch = 0
+
+    # --------------------------------------------------------------------------------------- Teardown
+    progress.close()
+    logger.close()
+    log0(f"done: {state.step} steps; outputs in {tcfg.run_dir}")
+    cleanup_distributed()
+
+
+if __name__ == "__main__":
+    run_cli(main)
