@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import gzip
 import io
 import json
 import os
@@ -32,12 +31,11 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import torch
-from torch.profiler import ProfilerActivity, record_function
+from torch.profiler import ProfilerActivity
 
 from utils.config import Config, ConfigError, ProfileConfig
 from utils.distributed import read_dist_env
@@ -112,8 +110,9 @@ def _write_atomically(path: Path, write: Callable[[str], None]) -> Path:
     return path
 
 
-def _megabytes(path: Path) -> str:
-    return f"{path.stat().st_size / 1e6:.1f} MB"
+def _file_size(path: Path) -> str:
+    size = path.stat().st_size
+    return f"{size / 1e6:.1f} MB" if size >= 1e6 else f"{size / 1e3:.0f} kB"
 
 
 # ----------------------------------------------------------------------------- torch.profiler
@@ -126,10 +125,58 @@ class _NoProfiler:
         pass
 
 
-@dataclass
-class _Outputs:
-    written: list[Path] = field(default_factory=list)
-    summary: str = ""
+class _TorchProfiler:
+    """A trace of steps ``first..last``, then (with memory_timeline) the memory of step ``last + 1``.
+
+    Two passes because the memory timeline needs ``with_stack`` (Python function events), which
+    make a trace ~20x larger: 3 steps of the baseline model wrote 60 MB gzipped with stacks (1 GB
+    of JSON, too big for Perfetto), 3.2 MB without. So the trace has no stacks, and the memory
+    pass records one step and exports no trace.
+    """
+
+    def __init__(self, cfg: Config, device: torch.device):
+        p = cfg.profile
+        self.cfg, self.device = cfg, device
+        self.first = p.profile_wait + p.profile_warmup + 1
+        self.last = self.first + p.profile_active - 1
+        self.done = 0
+        self.written: list[Path] = []
+        self.summary = ""
+        self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self.trace = torch.profiler.profile(
+            activities=self.activities,
+            schedule=torch.profiler.schedule(wait=p.profile_wait, warmup=p.profile_warmup, active=p.profile_active,
+                                             repeat=1),
+            on_trace_ready=self._on_trace_ready,
+            record_shapes=True,  # input shapes in Perfetto's op details: cheap
+        )
+        self.steps_label = f"step {self.first}" if self.first == self.last else f"steps {self.first}-{self.last}"
+        self.memory: Optional[torch.profiler.profile] = None
+        self.memory_done = False
+
+    def _on_trace_ready(self, prof) -> None:
+        self.written.append(_write_atomically(profile_path(self.cfg, "trace.json.gz"), prof.export_chrome_trace))
+        self.summary = summarize(prof, self.device, f"{self.steps_label} of this run on {self.device}")
+        self.written.append(_write_atomically(
+            profile_path(self.cfg, "summary.txt"), lambda name: Path(name).write_text(self.summary + "\n")))
+
+    def step(self) -> None:
+        """End of a training step: advances the trace's schedule, runs the memory pass."""
+        self.done += 1
+        self.trace.step()  # at step `last` this stops the trace and writes it
+        if self.done == self.last and self.cfg.profile.memory_timeline:
+            self.memory = torch.profiler.profile(activities=self.activities, record_shapes=True,
+                                                 profile_memory=True, with_stack=True)
+            self.memory.start()
+        elif self.done == self.last + 1 and self.memory is not None:
+            self.memory.stop()
+            self.written += _export_memory_timeline(self.memory, self.cfg, self.device, step=self.done)
+            self.memory, self.memory_done = None, True
+
+    def close(self) -> None:
+        if self.memory is not None:  # the run ended inside the memory pass: nothing complete to show
+            self.memory.stop()
+            self.memory = None
 
 
 @contextlib.contextmanager
@@ -138,15 +185,16 @@ def maybe_enable_profiling(cfg: Config, device: torch.device) -> Iterator:
 
     Call ``step()`` once at the end of every loop iteration. With ``--profile true``: steps
     ``profile_wait + 1`` .. ``+ profile_warmup`` warm the profiler up (discarded), the next
-    ``profile_active`` steps are recorded and exported when they end; the summary prints when the
-    context closes. ``record_shapes``, ``profile_memory`` and ``with_stack`` are on only with
-    ``memory_timeline`` (the memory timeline needs all three; they make the trace larger and slower).
-    With ``--nsys true``: NVTX ranges and cudaProfilerStart/Stop around the same steps (CUDA only).
+    ``profile_active`` steps are traced (CPU and CUDA activities, input shapes) and exported when
+    they end; with ``memory_timeline`` the step after them is recorded again with ``profile_memory``
+    and ``with_stack`` for the memory timeline (see :class:`_TorchProfiler`). The summary prints
+    when the context closes. With ``--nsys true``: NVTX ranges and cudaProfilerStart/Stop around
+    the same steps (CUDA only).
     """
     p = cfg.profile
     check_profile_config(p)
     if p.nsys:
-        with _nsys_capture(p, device) as capture:
+        with _nsys_capture(cfg, device) as capture:
             yield capture
         return
     if not p.profile:
@@ -156,39 +204,25 @@ def maybe_enable_profiling(cfg: Config, device: torch.device) -> Iterator:
     if device.type == "cpu":
         # CUDA builds of torch log "gpuGetDeviceCount failed" from Kineto on machines without a GPU.
         os.environ.setdefault("KINETO_LOG_LEVEL", "5")
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    detailed = p.memory_timeline
-    outputs = _Outputs()
-    first = p.profile_wait + p.profile_warmup + 1
-    last = first + p.profile_active - 1
-
-    def on_trace_ready(prof) -> None:
-        trace = profile_path(cfg, "trace.json.gz")
-        outputs.written.append(_write_atomically(trace, prof.export_chrome_trace))
-        if p.memory_timeline:
-            outputs.written += _export_memory_timeline(prof, cfg, device)
-        outputs.summary = summarize(prof, device, f"steps {first}-{last} of this run on {device}")
-        outputs.written.append(_write_atomically(
-            profile_path(cfg, "summary.txt"), lambda name: Path(name).write_text(outputs.summary + "\n")))
-
-    _say(f"profile: recording steps {first}-{last} (profile_wait {p.profile_wait}, profile_warmup "
-         f"{p.profile_warmup}, profile_active {p.profile_active}) -> {profile_path(cfg, '*').parent}")
-    with torch.profiler.profile(
-        activities=activities,
-        schedule=torch.profiler.schedule(wait=p.profile_wait, warmup=p.profile_warmup, active=p.profile_active,
-                                         repeat=1),
-        on_trace_ready=on_trace_ready,
-        record_shapes=detailed,
-        profile_memory=detailed,
-        with_stack=detailed,
-    ) as prof:
-        yield prof
-    if not outputs.written:
-        _warn(f"profile: the run ended after {prof.step_num} steps, before the profiled steps {first}-{last}; "
-              "no trace written: raise max_steps or lower profile_wait / profile_warmup")
+    profiler = _TorchProfiler(cfg, device)
+    memory = f", memory timeline of step {profiler.last + 1}" if p.memory_timeline else ""
+    _say(f"profile: trace of {profiler.steps_label} (profile_wait {p.profile_wait}, profile_warmup "
+         f"{p.profile_warmup}, profile_active {p.profile_active}){memory} -> {profile_path(cfg, '*').parent}")
+    with profiler.trace:
+        try:
+            yield profiler
+        finally:
+            profiler.close()
+    if not profiler.written:
+        _warn(f"profile: the run ended after {profiler.done} steps, before the profiled {profiler.steps_label}; "
+              "no trace written: raise max_steps or lower profile_wait / "
+              "profile_warmup")
         return
-    files = ", ".join(f"{path.name} ({_megabytes(path)})" for path in outputs.written)
-    _say(f"{outputs.summary}\nprofile files in {outputs.written[0].parent}: {files}")
+    if p.memory_timeline and not profiler.memory_done:
+        _warn(f"profile: no memory timeline: it records step {profiler.last + 1}, after the traced steps, and the "
+              f"run ended after step {profiler.done}; raise max_steps")
+    files = ", ".join(f"{path.name} ({_file_size(path)})" for path in profiler.written)
+    _say(f"{profiler.summary}\nprofile files in {profiler.written[0].parent}: {files}")
 
 
 def _range_events(prof) -> tuple[list, list]:
@@ -246,7 +280,7 @@ def summarize(prof, device: torch.device, title: str, top: int = 10) -> str:
 # ----------------------------------------------------------------------------- memory timeline
 
 
-def _export_memory_timeline(prof, cfg: Config, device: torch.device) -> list[Path]:
+def _export_memory_timeline(prof, cfg: Config, device: torch.device, step: int = 0) -> list[Path]:
     """rank<r>_memory_timeline.html and .png from the profiler's memory timeline; one warning if it fails.
 
     ``export_memory_timeline`` is deprecated and fragile (field notes): any failure costs the
@@ -261,24 +295,34 @@ def _export_memory_timeline(prof, cfg: Config, device: torch.device) -> list[Pat
             data_path = os.path.join(tmp, "timeline.json")
             prof.export_memory_timeline(data_path, device=_indexed(device))
             with open(data_path) as f:
-                times_us, sizes = json.load(f)
+                times_us, rows = json.load(f)
         if not times_us:
             raise RuntimeError(f"no memory events on {device}")
-        # Row layout: [0, size of category 0, size of category 1, ...] in _CATEGORY_TO_INDEX order.
+        # Row layout: [0, bytes of category 0, bytes of category 1, ...] in _CATEGORY_TO_INDEX order.
         categories = [None if c is None else c.name for c in _CATEGORY_TO_INDEX]
+        sizes = [row[1:] for row in rows]
+        peak = max(sizes, key=sum)
+        note = ""
+        if peak[categories.index(None)] > 0.5 * sum(peak):
+            note = "most memory at the peak is uncategorised ('unknown')"
+            if device.type == "cpu" and cfg.data.num_workers > 0:
+                note += ("; on CPU this happens with DataLoader worker processes (torch 2.14): rerun with "
+                         "--num_workers 0 for the categories")
+            _say(f"profile: {note}")
         start_us = _trace_start_us(prof)
         spans = _host_spans(prof, start_us) if start_us is not None else []
-        figure = plot_memory_timeline(times_us, [row[1:] for row in sizes], categories, spans,
-                                      title=f"memory by category, rank {read_dist_env().rank} ({device})")
+        title = f"memory by category during step {step}, rank {read_dist_env().rank} ({device})"
+        figure = plot_memory_timeline(times_us, sizes, categories, spans, title=title)
         png = io.BytesIO()
         figure.savefig(png, format="png", dpi=100)
         _write_atomically(png_path, lambda name: Path(name).write_bytes(png.getvalue()))
-        html = _timeline_html(png.getvalue(), [row[1:] for row in sizes], categories, device)
+        html = _timeline_html(png.getvalue(), peak, categories, device, step, note)
         _write_atomically(html_path, lambda name: Path(name).write_text(html, encoding="utf-8"))
         return [html_path, png_path]
     except Exception as error:  # noqa: BLE001 — a private, deprecated API: anything may break
-        _warn(f"memory timeline not written ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
-              "the trace is unaffected. Set --memory_timeline false to skip it, or use --memory_snapshot true on CUDA")
+        reason = str(error).splitlines()[0] if str(error) else ""
+        _warn(f"memory timeline not written ({type(error).__name__}: {reason}); the trace is unaffected. "
+              "Set --memory_timeline false to skip it, or use --memory_snapshot true on CUDA")
         return []
 
 
@@ -298,65 +342,66 @@ def _trace_start_us(prof) -> Optional[float]:
 
 
 def _host_spans(prof, start_us: float) -> list[tuple[str, float, float]]:
-    """(name, start µs, end µs), absolute, of every profiled step and host-side range."""
-    steps, ranges = _range_events(prof)
+    """(name, start µs, end µs), absolute, of every host-side range."""
+    _, ranges = _range_events(prof)
     return [(e.name, start_us + e.time_range.start, start_us + e.time_range.end)
-            for e in steps + [r for r in ranges if r.device_type.name == "CPU"]]
+            for e in ranges if e.device_type.name == "CPU"]
 
 
 def plot_memory_timeline(times_us, sizes, categories, spans=(), title: str = ""):
-    """Stacked memory by category over time, with the profiled steps and their ranges marked.
+    """Stacked memory by category over time, with the ranges of the step shaded.
 
     ``times_us``: absolute µs; ``sizes``: one row per time, bytes per category (in ``categories``
     order, names of torch.profiler._memory_profiler.Category or None); ``spans``: (name, start µs,
-    end µs) of steps ("ProfilerStep*") and :data:`RANGES`. Returns a matplotlib Figure.
+    end µs) of :data:`RANGES`. Returns a matplotlib Figure.
     """
     import numpy as np
     from matplotlib.figure import Figure  # no pyplot: no global state, Agg canvas on save
 
-    sizes = np.asarray(sizes, dtype=float)
     t0 = min([times_us[0]] + [start for _, start, _ in spans])
-    t_ms = (np.asarray(times_us, dtype=float) - t0) / 1e3
+    t_end = max([times_us[-1]] + [end for _, _, end in spans])
+    # Memory held before the first event (parameters, optimizer state) and after the last one stays drawn.
+    sizes = np.asarray([sizes[0], *sizes, sizes[-1]], dtype=float)
+    t_ms = (np.asarray([t0, *times_us, t_end], dtype=float) - t0) / 1e3
     scale, unit = (1e9, "GB") if sizes.sum(axis=1).max() >= 1e9 else (1e6, "MB")
-    # Biggest, steadiest categories at the bottom, as the profiler's own plot.
+    # Stacked in the profiler's order: parameters and optimizer state, the steady part, at the bottom.
     stacked = np.cumsum(np.hstack([np.zeros((len(sizes), 1)), sizes]), axis=1) / scale
     fig = Figure(figsize=(10, 4.2), layout="constrained")
     ax = fig.subplots()
     for i, category in enumerate(categories):
         if sizes[:, i].any():
             ax.fill_between(t_ms, stacked[:, i], stacked[:, i + 1], step="post", linewidth=0,
-                            color=_CATEGORY_COLORS.get(category, "#bdbdbd"), label=_CATEGORY_LABELS.get(category, str(category)))
+                            color=_CATEGORY_COLORS.get(category, "#bdbdbd"),
+                            label=_CATEGORY_LABELS.get(category, str(category)))
     top = stacked[:, -1].max() * 1.12 or 1.0
     range_shades = dict(zip(RANGES, ("#eeeeee", "#fff3e0", "#e3f2fd", "#f1f8e9")))
-    right = max(t_ms[-1], max([(end - t0) / 1e3 for _, _, end in spans], default=0)) or 1.0
+    right = t_ms[-1] or 1.0
     for name, start, end in spans:
         x0, x1 = (start - t0) / 1e3, (end - t0) / 1e3
-        if name.startswith("ProfilerStep"):
-            ax.axvline(x0, color="black", linewidth=0.8, linestyle="--")
-            continue
         ax.axvspan(x0, x1, color=range_shades[name], zorder=0)
         if x1 - x0 > 0.04 * right:  # label only the ranges wide enough to hold one
             ax.text((x0 + x1) / 2, top * 0.98, name.strip("# "), ha="center", va="top", fontsize=7, color="#555555")
     ax.set_ylim(0, top)
     ax.set_xlim(0, right)
-    ax.set_xlabel("time (ms); dashed lines: step starts; shaded: data / forward / backward / optimizer")
+    ax.set_xlabel("time (ms); shaded: the ranges data, forward, backward, optimizer; after them: logging, "
+                  "validation, checkpoints")
     ax.set_ylabel(f"allocated ({unit})")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(f"{title}; peak {stacked[:, -1].max():.2f} {unit}", fontsize=10)
     fig.legend(loc="outside right upper", fontsize=8, frameon=False)
     return fig
 
 
-def _timeline_html(png: bytes, sizes, categories, device: torch.device) -> str:
-    """The PNG embedded in one self-contained page, with the breakdown at the peak as a table."""
-    totals = [sum(row) for row in sizes]
-    peak = sizes[max(range(len(totals)), key=totals.__getitem__)]
+def _timeline_html(png: bytes, peak, categories, device: torch.device, step: int, note: str = "") -> str:
+    """The PNG embedded in one self-contained page, with the split at the peak as a table."""
     rows = "".join(f"<tr><td>{_CATEGORY_LABELS.get(c, c)}</td><td align='right'>{size / 1e6:,.1f}</td></tr>"
                    for c, size in zip(categories, peak) if size)
     encoded = base64.b64encode(png).decode("ascii")
+    note = f"<p><b>Note:</b> {note}.</p>" if note else ""
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>memory timeline, rank {read_dist_env().rank}"
-            f"</title></head><body><h3>Memory by category over the profiled steps ({device})</h3>"
-            f"<img alt='memory timeline' src='data:image/png;base64,{encoded}'>"
-            f"<h4>At the peak ({max(totals) / 1e6:,.1f} MB)</h4><table><tr><th>category</th><th>MB</th></tr>{rows}</table>"
+            f"</title></head><body><h3>Memory by category during step {step} ({device})</h3>"
+            f"<img alt='memory timeline' src='data:image/png;base64,{encoded}'>{note}"
+            f"<h4>At the peak ({sum(peak) / 1e6:,.1f} MB)</h4>"
+            f"<table><tr><th>category</th><th>MB</th></tr>{rows}</table>"
             "<p>From torch.profiler's memory timeline (categories of torch.profiler._memory_profiler.Category), "
             "drawn by utils/profiling.py.</p></body></html>")
 
@@ -399,12 +444,14 @@ class _NsysCapture:
 
 
 @contextlib.contextmanager
-def _nsys_capture(p: ProfileConfig, device: torch.device):
+def _nsys_capture(cfg: Config, device: torch.device):
+    p = cfg.profile
     if device.type != "cuda":
         _say(f"nsys: skipped, NVTX ranges and cudaProfilerStart/Stop need a CUDA device (this run is on {device}); "
              "use --profile true for a torch.profiler trace")
         yield _NoProfiler()
         return
+    profile_path(cfg, "").parent.mkdir(parents=True, exist_ok=True)  # a home for nsys -o <run_dir>/profile/...
     first = p.profile_wait + p.profile_warmup + 1
     capture = _NsysCapture(device, first, first + p.profile_active - 1)
     try:
@@ -440,8 +487,9 @@ def maybe_enable_memory_snapshot(cfg: Config, device: torch.device) -> Iterator[
 
     def dump(reason: str) -> None:
         _write_atomically(path, torch.cuda.memory._dump_snapshot)
-        print(f"memory_snapshot: {reason}: wrote {path} ({_megabytes(path)}); open it at https://pytorch.org/memory_viz",
-              file=sys.stderr if reason.startswith("out of memory") else sys.stdout, flush=True)
+        stream = sys.stderr if reason.startswith("out of memory") else sys.stdout  # next to the OOM traceback
+        print(f"memory_snapshot: {reason}: wrote {path} ({_file_size(path)}); "
+              "open it at https://pytorch.org/memory_viz", file=stream, flush=True)
 
     def on_out_of_memory(device_index, requested, device_allocated, device_free) -> None:
         if state["recording"] and not state["dumped_on_oom"]:
@@ -451,12 +499,16 @@ def maybe_enable_memory_snapshot(cfg: Config, device: torch.device) -> Iterator[
 
     torch.cuda.memory._record_memory_history(max_entries=p.memory_snapshot_entries, stacks="python", device=device)
     torch._C._cuda_attach_out_of_memory_observer(on_out_of_memory)
+    ending = "end of run"
     try:
         yield path
+    except BaseException as error:
+        ending = f"stopped by {type(error).__name__}"
+        raise
     finally:
         try:
             if not state["dumped_on_oom"]:
-                dump("end of run" if sys.exc_info()[0] is None else f"stopped by {sys.exc_info()[0].__name__}")
+                dump(ending)
         finally:
             state["recording"] = False  # observers cannot be detached: this one just stops acting
             torch.cuda.memory._record_memory_history(enabled=None, device=device)
@@ -539,7 +591,11 @@ def throughput_breakdown(cfg: Config, loader, model, optimizer, loss_fn, scaler,
 def format_breakdown(rates: dict[str, float], batch_size: int, steps: int) -> str:
     """The IO / SYNTHETIC / FULL table and which one bounds the run."""
     io_rate, synthetic, full = (rates[f"{k}_samples_per_sec"] for k in ("io", "synthetic", "full"))
-    if io_rate < synthetic:
+    if full > 1.1 * min(io_rate, synthetic):
+        verdict = (f"inconclusive: FULL is faster than {'IO' if io_rate < synthetic else 'SYNTHETIC'} alone, so the "
+                   "machine's speed changed between phases (other processes?); rerun on an idle node or with more "
+                   "breakdown_steps")
+    elif io_rate < synthetic:
         verdict = (f"bound by data loading: the loader delivers {io_rate / synthetic:.0%} of what the step can "
                    "take; raise num_workers, read less per sample, or use faster storage")
     elif full < 0.9 * synthetic:
@@ -556,13 +612,3 @@ def format_breakdown(rates: dict[str, float], batch_size: int, steps: int) -> st
         f"  -> {verdict}",
     ])
 
-
-# ----------------------------------------------------------------------------- reading traces
-
-
-def read_trace(path) -> dict:
-    """A ``*.json.gz`` (or ``.json``) Chrome trace as a dict: ``traceEvents`` etc."""
-    path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return json.load(f)

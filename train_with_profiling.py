@@ -1,0 +1,160 @@
+"""Step 0 — profiling: train.py plus torch.profiler ranges, memory timeline/snapshot and a throughput breakdown.
+
+Off by default (then it is train.py). Files go to <run_dir>/profile/rank<r>_*; see utils/profiling.py
+and the README's "Step 0: profiling" for what each shows and how to open it.
+
+Launch (one process; CUDA if available, else CPU):
+    python train_with_profiling.py --config quickstart --profile true    # laptop: trace, memory timeline, summary
+    python train_with_profiling.py --config baseline --profile true --memory_snapshot true --max_steps 20
+    sbatch submit_singlegpu.sh train_with_profiling.py --config baseline --profile true --max_steps 20
+    nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop --trace=cuda,nvtx,cudnn,cublas \\
+        -o runs/baseline/profile/nsys_rank0 python train_with_profiling.py --config baseline --nsys true --max_steps 20
+Any config key can be overridden on the command line; `python train_with_profiling.py --help` lists them all.
+"""
+
+import contextlib
+import time
+
+import torch
+from torch.profiler import record_function
+from tqdm import tqdm
+
+from models import build_model
+from utils.checkpoint import (CheckpointError, ensure_writable_dir, latest_checkpoint, load_checkpoint,
+                              save_checkpoint)
+from utils.config import parse_config
+from utils.data import CHANNEL_NAMES, build_loaders
+from utils.metrics import (MetricsLogger, device_peak_flops, mfu, peak_memory_gb, reset_peak_memory,
+                           save_sample_png, train_flops_per_sample)
+from utils.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling, throughput_breakdown
+from utils.techniques import apply_ac, apply_compile
+from utils.training import (TrainState, autocast, build_loss, build_optimizer, check_finite, checkpoint_payload,
+                            configure_backends, evaluate, make_grad_scaler, pick_device, restore_payload, run_cli,
+                            seed_everything, show_progress, total_steps)
+
+
+def main():
+    # ------------------------------------------------------------------------------------------ Setup
+    cfg = parse_config(__doc__)
+    tcfg = cfg.train
+    device = pick_device(tcfg.device)
+    profiling = contextlib.ExitStack()  # the profiling contexts, closed in Teardown
+    profiling.enter_context(maybe_enable_memory_snapshot(cfg, device))  # before the model: every allocation
+    seed_everything(tcfg.seed)
+    configure_backends(cfg)
+
+    # ------------------------------------------------------------------------------------------- Data
+    train_loader, val_loader = build_loaders(cfg)
+    steps_per_epoch = len(train_loader)
+    max_steps = total_steps(cfg, steps_per_epoch)
+
+    # ------------------------------------------------------------------------------------------ Model
+    raw_model = build_model(cfg.model).to(device)
+    model = apply_ac(raw_model, tcfg.ac)
+    model = apply_compile(model, tcfg.compile)
+    lr_shape = tuple(val_loader.dataset[0][0].shape)
+    flops_per_sample = train_flops_per_sample(lambda: build_model(cfg.model), lr_shape)
+    peak_flops = device_peak_flops(device, tcfg.amp_dtype)
+
+    # -------------------------------------------------------------------------------------- Optimizer
+    optimizer, scheduler = build_optimizer(model, cfg, steps_per_epoch, device)
+    scaler = make_grad_scaler(device, tcfg.amp_dtype)
+    loss_fn = build_loss(tcfg.loss)
+    state = TrainState()
+    ckpt_dir = f"{tcfg.run_dir}/checkpoints"
+    if tcfg.resume:
+        latest = latest_checkpoint(ckpt_dir)
+        if latest is None:
+            raise CheckpointError(f"--resume: no checkpoint in {ckpt_dir}; run without --resume to start fresh")
+        state = restore_payload(load_checkpoint(latest, device), raw_model, optimizer, scheduler, scaler)
+        print(f"resumed from {latest} at step {state.step}")
+    ensure_writable_dir(tcfg.run_dir)
+    logger = MetricsLogger(tcfg.run_dir, console=tqdm.write, channel_names=CHANNEL_NAMES)
+    print(f"model: {sum(p.numel() for p in raw_model.parameters()):,} parameters | device: {device} | "
+          f"{steps_per_epoch} steps/epoch, {max_steps} steps | {flops_per_sample / 1e9:.1f} GFLOP/sample/step")
+
+    # ------------------------------------------------------------------------------------- Validation
+    def validate():
+        result = evaluate(model, val_loader, device, tcfg.amp_dtype, cfg.model.upscale)
+        logger.log({"kind": "val", "step": state.step, "epoch": state.epoch,
+                    "rmse": result.rmse, "bicubic_rmse": result.bicubic_rmse})
+        save_sample_png(f"{tcfg.run_dir}/samples/step_{state.step}.png", *result.sample, CHANNEL_NAMES)
+
+    def save():
+        save_checkpoint(ckpt_dir, state.step,
+                        checkpoint_payload(raw_model, optimizer, scheduler, scaler, state, cfg),
+                        keep=tcfg.keep_checkpoints)
+
+    # ------------------------------------------------------------------------------------- Train loop
+    model.train()
+    progress = tqdm(total=max_steps, initial=state.step, disable=not show_progress(tcfg.progress), unit="step")
+    loss_sum, loss_count = torch.zeros((), device=device), 0
+    window_start, window_samples = time.perf_counter(), 0
+    reset_peak_memory(device)
+    profiler = profiling.enter_context(maybe_enable_profiling(cfg, device))
+    while state.step < max_steps:
+        # Same seed + epoch -> same order and crops: a resumed run sees exactly the same batches.
+        train_loader.sampler.set_epoch(state.epoch, start_batch=state.batch_in_epoch)
+        train_loader.dataset.set_epoch(state.epoch)
+        batches = iter(train_loader)
+        while True:
+            with record_function("## data ##"):  # waiting for the loader, then the copy to the device
+                batch = next(batches, None)
+                if batch is None:
+                    break
+                lr, hr = (tensor.to(device, non_blocking=True) for tensor in batch)
+
+            optimizer.zero_grad(set_to_none=True)
+            with record_function("## forward ##"):
+                with autocast(device, tcfg.amp_dtype):
+                    pred = model(lr)
+                loss = loss_fn(pred.float(), hr)  # the loss in fp32 and in physical units
+            with record_function("## backward ##"):
+                scaler.scale(loss).backward()
+            with record_function("## optimizer ##"):
+                scaler.step(optimizer)
+                scaler.update()
+                scheduler.step()
+
+            state.step += 1
+            state.batch_in_epoch += 1
+            loss_sum += loss.detach()
+            loss_count += 1
+            window_samples += lr.shape[0]
+            progress.update(1)
+
+            end_of_epoch = state.batch_in_epoch == steps_per_epoch
+            done = state.step == max_steps
+            if state.step % tcfg.log_every == 0 or done:
+                mean_loss = check_finite(loss_sum / loss_count, state.step, ckpt_dir)  # one host sync per log
+                samples_per_sec = window_samples / (time.perf_counter() - window_start)
+                logger.log({"kind": "train", "step": state.step, "epoch": state.epoch, "loss": mean_loss,
+                            "lr": scheduler.get_last_lr()[0], "samples_per_sec": samples_per_sec,
+                            "mfu": mfu(flops_per_sample, samples_per_sec, peak_flops),
+                            "peak_mem_gb": peak_memory_gb(device)})
+                progress.set_postfix(loss=f"{mean_loss:.4f}")
+                loss_sum.zero_()
+                loss_count, window_start, window_samples = 0, time.perf_counter(), 0
+            if (tcfg.val_every and state.step % tcfg.val_every == 0) or (not tcfg.val_every and end_of_epoch) or done:
+                validate()
+            if (tcfg.ckpt_every and state.step % tcfg.ckpt_every == 0) or end_of_epoch or done:
+                check_finite(loss_sum, state.step, ckpt_dir)  # never save weights from a diverged step
+                save()
+            profiler.step()
+            if end_of_epoch or done:
+                break
+        if state.batch_in_epoch == steps_per_epoch:
+            state.epoch += 1
+            state.batch_in_epoch = 0
+
+    # --------------------------------------------------------------------------------------- Teardown
+    progress.close()
+    profiling.close()  # prints the profile summary, dumps the memory snapshot
+    if rates := throughput_breakdown(cfg, train_loader, model, optimizer, loss_fn, scaler, device):
+        logger.log({"kind": "throughput", "step": state.step, **rates})
+    logger.close()
+    print(f"done: {state.step} steps; outputs in {tcfg.run_dir}")
+
+
+if __name__ == "__main__":
+    run_cli(main)
