@@ -2,7 +2,8 @@
 
 Estimate — :func:`estimate_memory` (what ``estimate_memory.py`` prints) adds up, per rank:
 
-* parameters, gradients and AdamW state (two fp32 moments) — exact counts from the config;
+* parameters, gradients and AdamW state (two fp32 moments, a step count per tensor) — exact
+  counts from the config;
 * activations: the bytes autograd holds for backward at the end of the forward pass (and the
   loss), written out per layer type following SwinIR's structure (``models/swinir.py``): the
   convolution and LayerNorm of the stem, per Swin block LayerNorm → window partition → qkv →
@@ -10,28 +11,37 @@ Estimate — :func:`estimate_memory` (what ``estimate_memory.py`` prints) adds u
   the body and the upsampler, and the loss. Windowed attention saves ``heads × window²`` values
   per pixel, so every term is proportional to the number of (padded) pixels: activation memory
   grows linearly with the field, not quadratically as it would with global attention;
-* temporary: the extra memory of the worst moment of backward on top of the held activations
-  (attention-gradient workspace; with activation checkpointing, the recomputed block or RSTB).
+* temporary: the extra memory of the worst moment of the step on top of the held activations.
+  The same layer list is walked as autograd walks it (:func:`simulate_peak`): forward adds what
+  each layer saves; backward, in reverse, frees it once the layer's backward has run, re-creates
+  a checkpointed unit's tensors when backward reaches it, and adds each layer's transient tensors
+  (gradients in flight, attention logits and their gradients, the upsampler's high-res gradients).
 
 ``total = params + grads + optimizer + activations + temporary``: a slight upper bound on the peak,
 since gradients fill up while activations are freed during backward.
 
 Which terms are exact and which approximate, for the model and PyTorch 2.14 this was written for:
 
-* exact (checked byte for byte on CPU by tests/test_memory.py): parameters, gradients, optimizer
-  state, and every activation term on the CPU path — fp32 and bf16/fp16 autocast, AC none/block/
-  layer, any batch and padding, all upsamplers. On CPU the model computes window attention
+* exact (equal to the byte on CPU in benchmarks/validate_memory_estimate.py; tests/test_memory.py
+  asserts the issue's ±15 %): parameters, gradients, optimizer state, and every activation term on
+  the CPU path — fp32 and bf16/fp16 autocast, AC none/block/layer, any batch and padding, all
+  upsamplers, 1conv/3conv, L1/MSE, stochastic depth. On CPU the model computes window attention
   explicitly (softmax(q kᵀ + bias) v, because the fused CPU kernel cannot return the bias gradient),
   which saves the attention probabilities: ``heads × window²`` values per pixel and block.
 * modelled, not measured here (no GPU on the machine that wrote this): the CUDA attention path.
   There the model calls ``scaled_dot_product_attention`` with the relative-position bias (+ shift
   mask) as a float mask that needs a gradient, which selects the memory-efficient kernel: it saves
-  q, k, v, the output, the log-sum-exp and the bias itself (materialised per window for shifted
-  blocks), not the probabilities; and CUDA autocast runs LayerNorm in fp32, so the residual stream
+  q, k, v (padded copies when the model pads the head dimension to the kernel's multiple of 8, as
+  for the tutorial's 30), the output, the log-sum-exp and the bias itself (materialised per window
+  for shifted blocks), not the probabilities; and CUDA autocast runs LayerNorm in fp32, so the residual stream
   stays fp32. ``benchmarks/validate_memory_estimate.py`` on a GPU checks this path.
-* approximate: the temporary peak (a workspace of two attention-sized tensors per block, or the
-  upsampler's gradients, whichever is larger), and the FSDP all-gather buffers (two units in
-  flight plus the root's parameters).
+* approximate: the temporary peak (which transients coexist is reasoned, not traced; on CPU the
+  predicted total was within a few % of the measured peak for fp32/bf16), and the FSDP
+  all-gather buffers (two units in flight plus the root's parameters). The total is an upper
+  bound because it counts all gradients; on small inputs, where gradients weigh more, it
+  over-predicts by up to ~15 %. Not modelled: kernel workspaces — e.g. fp16 on CPU, where
+  convolutions fall back to an im2col kernel whose buffers add ~20 % to the peak (fp16 is for GPUs;
+  use bf16 on CPU).
 
 Measure — the same quantities on any device, without trusting the estimate:
 
@@ -53,7 +63,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import statistics
 import time
 import weakref
 from dataclasses import asdict, dataclass, field
@@ -71,6 +80,7 @@ ERA5_FIELD = (720, 1440)  # SuperBench's 721 x 1440 with the last latitude row d
 NUM_FEAT = 64  # width of SwinIR's reconstruction convolutions (models/swinir.py)
 LN_STATS_BYTES = 8  # LayerNorm keeps mean and 1/std per token, in fp32 even for bf16 inputs
 ADAMW_STATE_BYTES = 8  # exp_avg + exp_avg_sq in fp32 per parameter
+ADAMW_STEP_BYTES = 4  # and one fp32 step count per parameter tensor
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -202,6 +212,16 @@ class SwinIRShape:
         rstb = len(self.depths) * self.rstb_conv_params()[1]
         return self.stem_params()[1] + blocks + rstb + self.body_params()[1] + self.head_params()[1]
 
+    def num_param_tensors(self) -> int:
+        """Parameter tensors (weights, biases, LayerNorm pairs, bias tables): AdamW keeps a step count each."""
+        convs = {"1conv": 1, "3conv": 3}[self.resi_connection]
+        head = {"pixelshuffle": 2 + (int(math.log2(self.upscale)) if self.upscale & (self.upscale - 1) == 0 else 1),
+                "pixelshuffledirect": 1, "nearest+conv": 3 + (2 if self.upscale == 4 else 1), "": 1}[self.upsampler]
+        per_block = 12 + self.qkv_bias  # 2 LayerNorms x 2, qkv, bias table, proj x 2, fc1 x 2, fc2 x 2
+        tensors = 2 * (1 + 1 + 1)  # conv_first, patch-embedding LayerNorm, final LayerNorm
+        tensors += self.num_blocks * per_block + 2 * convs * (len(self.depths) + 1) + 2 * head
+        return tensors
+
     def check_supported(self) -> None:
         s = self.upscale
         if self.upsampler == "pixelshuffle" and not (s & (s - 1) == 0 or s == 3):
@@ -215,21 +235,22 @@ class SwinIRShape:
 # =============================================================================================
 
 
-def field_size_of(cfg: Config) -> tuple[int, int]:
-    """High-res whole-field size when crop_size is 0: the data's grid if present, else ERA5's."""
+def field_size_of(cfg: Config) -> tuple[tuple[int, int], str]:
+    """High-res whole-field size when crop_size is 0, and where it came from: the data's grid if
+    the training split exists, else ERA5's 720 x 1440."""
     from utils.data import DataError, scan_split
 
     split = Path(cfg.data.data_dir) / cfg.data.train_split
     try:
         first = scan_split(split)[0]
     except DataError:
-        return ERA5_FIELD
-    return first.height - 1, first.width  # the dataset drops the last latitude row
+        return ERA5_FIELD, f"ERA5's grid ({split} has no data; --field HxW sets another)"
+    return (first.height - 1, first.width), f"the grid of {first.path}"  # the dataset drops the last row
 
 
 def lr_input_size(cfg: Config, field: Optional[tuple[int, int]] = None) -> tuple[int, int]:
     """Height and width of the model's input: the low-res crop, or the low-res whole field."""
-    hr = (cfg.data.crop_size, cfg.data.crop_size) if cfg.data.crop_size else (field or field_size_of(cfg))
+    hr = (cfg.data.crop_size, cfg.data.crop_size) if cfg.data.crop_size else (field or field_size_of(cfg)[0])
     if cfg.data.task == "forecast":
         return hr
     s = cfg.model.upscale
@@ -318,12 +339,17 @@ def _swin_block(shape: SwinIRShape, heads: int, p: Precision, kernel: str, shift
             layer(c * a, c * a, 2 * c * a),                      # proj: its input
         ]
     else:
-        # Memory-efficient SDPA keeps q, k, v (views of the qkv output), its output (= proj's input),
-        # the fp32 log-sum-exp and the bias + mask, which shifted blocks materialise per window.
+        # Memory-efficient SDPA keeps q, k, v, its output, the fp32 log-sum-exp and the bias + mask,
+        # which shifted blocks materialise per window. q, k, v are views of the qkv output and the
+        # output is proj's input, unless the model pads the head dimension for the kernel: then
+        # they are padded copies, and proj's input is a copy of the output's unpadded part.
+        head_dim = c // heads
+        padded = heads * (head_dim + _sdpa_head_pad(head_dim))
+        qkv_out = 3 * padded * a + padded * a + (c * a if padded != c else 0.0)
         bias_per_token = att if shifted else 0.0
         layers += [
             layer(c * a, 3 * c * a, 5 * c * a),
-            layer(4 * c * a + 4 * heads + bias_per_token, c * a + bias_per_token, 4 * c * a + att),
+            layer(qkv_out + 4 * heads + bias_per_token, padded * a + bias_per_token, 4 * padded * a + att),
         ]
         if not shifted:  # one (heads, N, N) bias shared by all windows
             layers[-1].saved += heads * n * n * a
@@ -336,6 +362,14 @@ def _swin_block(shape: SwinIRShape, heads: int, p: Precision, kernel: str, shift
     if drop_path:  # DropPath saves its (batch, 1, 1) keep-mask, after attention and after the MLP
         layers[-1].saved += 2 * batch * a
     return layers
+
+
+def _sdpa_head_pad(head_dim: int) -> int:
+    """Channels the model adds to each CUDA attention head for the fused kernel (models/swinir.py)."""
+    import models.swinir as swinir
+
+    multiple = getattr(swinir, "SDPA_HEAD_DIM_MULTIPLE", {}).get("cuda", 1)
+    return -head_dim % multiple
 
 
 def _resi_conv(shape: SwinIRShape, a: int) -> float:
@@ -390,7 +424,7 @@ def training_graph(shape: SwinIRShape, p: Precision, kernel: str, ac: str, batch
             block = _swin_block(shape, heads, p, kernel, shape.shifted(i), tokens, batch,
                                 drop_path=shape.drop_path_rate > 0 and block_index > 0)  # rates linspace(0, r)
             block_index += 1
-            for j, op in enumerate(block):
+            for op in block:
                 op.unit = {"none": None, "block": unit, "layer": layer_index}[ac]
                 op.unit_input = op.unit_input and (ac == "block" or (ac == "layer" and i == 0))
             unit += 1
@@ -518,7 +552,7 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
         grads *= 2  # DDP's communication buckets are a second copy of the gradients
     if strategy == "fsdp":  # one unit's unsharded gradients, and their copy for the reduce-scatter
         grads += largest_unit * (DTYPE_BYTES[param_dtype] + DTYPE_BYTES[d.reduce_dtype])
-    optimizer = num_params * ADAMW_STATE_BYTES / shard
+    optimizer = num_params * ADAMW_STATE_BYTES / shard + shape.num_param_tensors() * ADAMW_STEP_BYTES
 
     setting = {
         "config": cfg.name, "strategy": strategy, "world_size": world_size, "batch_per_rank": batch,
@@ -526,6 +560,9 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
         "amp_dtype": cfg.train.amp_dtype, "ac": ac, "device_type": device_type, "attention": kernel,
         "precision": p.label, "num_params": num_params,
     }
+    if not lr_size and not cfg.data.crop_size:
+        size, source = (field, "set by --field") if field else field_size_of(cfg)
+        setting["field"], setting["field_source"] = list(size), source
     if strategy == "fsdp":
         setting.update(shard_group=shard, fsdp_unit=d.fsdp_unit, param_dtype=param_dtype)
     return MemoryEstimate(params, grads, optimizer, activations, temporary, parts, phases, params_detail, setting)
@@ -843,7 +880,3 @@ def time_training_step(model: nn.Module, lr: torch.Tensor, hr: torch.Tensor, amp
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return times
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values)

@@ -1,0 +1,228 @@
+"""Steps 1-2 figures: memory and step time of whole 720x1440 fields, fp32 vs bf16 vs bf16 + AC (block).
+
+For the tutorial's SwinIR at batch 1 (low-res input 360x720, upscale 2), three settings:
+fp32; bf16 autocast; bf16 autocast + activation checkpointing per Swin block. It prints
+
+1. activations held for backward at full size, estimated (utils/memory.py) and measured by up to
+   three methods that never hold the fp32 activations (~100 GB) at once:
+   - traced: one forward under FakeTensorMode (the real dispatch, no data, no memory);
+   - forward: a real forward pass whose saved tensors are counted and dropped at once
+     (SavedTensorBytes(hold=False)); --no_full_forward skips it (minutes on a laptop CPU);
+   - ladder: real forwards on smaller fields, to show bytes per pixel are constant, extrapolated;
+2. one measured training step on a reduced field (--step_size, default 48x96 low-res) per setting:
+   peak memory (predicted vs measured) and seconds per step (median of --steps, in --repeats
+   rounds over all settings because other processes may share the CPU), and ratios to fp32;
+3. the estimate on the GPU path (CUDA attention kernel, LayerNorm in fp32 under autocast), modelled;
+4. a PNG of memory by category for the three settings (default docs/memory_by_category.png).
+
+    python benchmarks/full_size_memory.py --no_full_forward      # ~15 min on 2 busy cores
+    python benchmarks/full_size_memory.py                        # + real full-size forwards (~20 TFLOP more)
+    python benchmarks/full_size_memory.py --estimate_only        # seconds: estimate, traces, the PNG
+
+The last line printed is one JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from utils.config import build_config  # noqa: E402
+from utils.memory import (GB, build_for_measurement, estimate_memory, measure_config,  # noqa: E402
+                          measure_saved_activations, random_batch, time_training_step, trace_saved_activations)
+
+SETTINGS = {"fp32": dict(amp_dtype="none", ac="none"), "bf16": dict(amp_dtype="bf16", ac="none"),
+            "bf16 + AC block": dict(amp_dtype="bf16", ac="block")}
+FULL = (360, 720)  # low-res input of a 720 x 1440 field at upscale 2
+LADDER = [(48, 96), (96, 192), (192, 384)]
+REPO = Path(__file__).resolve().parent.parent
+
+
+def size(text: str) -> tuple[int, int]:
+    height, width = (int(v) for v in text.lower().split("x"))
+    return height, width
+
+
+def config(setting: str, device: str = "cpu"):
+    # Stochastic depth off: the step is the same computation in every run (it changes no memory term).
+    return build_config("full_size", {**SETTINGS[setting], "device": device, "drop_path_rate": 0.0})
+
+
+def measure_full_size_activations(args) -> dict:
+    """Activations of a full-size forward by each method (bytes), per setting."""
+    results = {}
+    for setting in SETTINGS:
+        cfg = config(setting)
+        model = build_for_measurement(cfg)
+        row = {"estimate": estimate_memory(cfg, lr_size=FULL, device_type="cpu").activations}
+        start = time.perf_counter()
+        row["traced"] = trace_saved_activations(model, (1, 3, *FULL), cfg.train.amp_dtype).bytes
+        row["traced_seconds"] = time.perf_counter() - start
+        if setting == "fp32" and not args.estimate_only:
+            per_pixel = []
+            for lr_size in LADDER:
+                lr, hr = random_batch(cfg, lr_size, batch=1)
+                saved = measure_saved_activations(model, lr, hr, cfg.train.amp_dtype, hold=False).bytes
+                per_pixel.append(saved / (lr_size[0] * lr_size[1]))
+                print(f"  ladder {lr_size[0]}x{lr_size[1]}: {saved / GB:.3f} GB saved, "
+                      f"{per_pixel[-1]:.0f} bytes per low-res pixel", flush=True)
+            row["ladder_bytes_per_pixel"] = per_pixel
+            row["ladder_extrapolated"] = per_pixel[-1] * FULL[0] * FULL[1]
+        if args.full_forward:
+            lr, hr = random_batch(cfg, FULL, batch=1)
+            start = time.perf_counter()
+            row["forward"] = measure_saved_activations(model, lr, hr, cfg.train.amp_dtype, hold=False).bytes
+            row["forward_seconds"] = time.perf_counter() - start
+        results[setting] = row
+        shown = {k: (f"{v / GB:.2f} GB" if k in ("estimate", "traced", "forward", "ladder_extrapolated") else v)
+                 for k, v in row.items() if k != "ladder_bytes_per_pixel"}
+        print(f"  {setting}: {shown}", flush=True)
+    return results
+
+
+def measure_steps(args) -> dict:
+    """Peak memory and seconds per step on a reduced field, per setting.
+
+    The timing goes round-robin over the settings, ``repeats`` times, so that each round sees about
+    the same load from other processes; ratios to fp32 are taken within a round, then the median.
+    """
+    results, models = {}, {}
+    for setting in SETTINGS:
+        cfg = config(setting)
+        estimate = estimate_memory(cfg, lr_size=args.step_size, device_type="cpu")
+        measured = measure_config(cfg, args.step_size)
+        results[setting] = {
+            "peak_predicted_gb": estimate.total / GB, "peak_measured_gb": measured.peak / GB,
+            "activations_predicted_gb": estimate.activations / GB, "activations_measured_gb": measured.activations / GB,
+            "seconds_per_step_rounds": [],
+        }
+        models[setting] = build_for_measurement(cfg), cfg.train.amp_dtype
+    lr, hr = random_batch(config("fp32"), args.step_size, batch=1)
+    for round_index in range(args.repeats):
+        for setting, (model, amp_dtype) in models.items():
+            seconds = statistics.median(time_training_step(model, lr, hr, amp_dtype, steps=args.steps))
+            results[setting]["seconds_per_step_rounds"].append(seconds)
+        print(f"  round {round_index + 1}: " + ", ".join(
+            f"{n} {r['seconds_per_step_rounds'][-1]:.2f} s" for n, r in results.items()), flush=True)
+    fp32 = results["fp32"]
+    for setting, row in results.items():
+        row["seconds_per_step"] = min(row["seconds_per_step_rounds"])
+        row["time_vs_fp32"] = statistics.median(
+            t / f for t, f in zip(row["seconds_per_step_rounds"], fp32["seconds_per_step_rounds"]))
+        row["activations_vs_fp32"] = row["activations_measured_gb"] / fp32["activations_measured_gb"]
+        print(f"  {setting}: {row}", flush=True)
+    return results
+
+
+def plot(estimates: dict, measured: dict, path: Path) -> None:
+    """Stacked bars of memory by category per setting: this CPU (with measurements) and a GPU (modelled)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    categories = [  # (label, colour, function of an estimate -> bytes)
+        ("parameters + gradients + AdamW state", "#4c72b0", lambda e: e.params + e.grads + e.optimizer),
+        ("activations: Swin blocks", "#dd8452", lambda e: e.activations_by_part["swin_blocks"]),
+        ("activations: convs, upsampler, loss, casts", "#c8a26b",
+         lambda e: e.activations - e.activations_by_part["swin_blocks"]),
+        ("temporary peak in backward", "#8c8c8c", lambda e: e.temporary),
+    ]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.8), sharey=True)
+    names = list(SETTINGS)
+    for ax, device in zip(axes, ("cpu", "cuda")):
+        bottoms = [0.0] * len(names)
+        for label, colour, value in categories:
+            heights = [value(estimates[device][n]) / GB for n in names]
+            ax.bar(names, heights, bottom=bottoms, color=colour, label=label, width=0.6)
+            bottoms = [b + h for b, h in zip(bottoms, heights)]
+        for i, (name, total) in enumerate(zip(names, bottoms)):
+            activations = estimates[device][name].activations / GB
+            ax.text(i, total + 1.5, f"{total:.1f} GB\n(activations {activations:.1f})", ha="center", fontsize=9)
+        ax.axhline(80, color="#c44e52", linestyle="--", linewidth=1)
+        ax.text(len(names) - 0.7, 82, "80 GB GPU", color="#c44e52", ha="center", fontsize=9)
+        if device == "cpu":
+            method = "forward" if all("forward" in measured[n] for n in names) else "traced"
+            points = [measured[n][method] / GB for n in names]
+            how = {"forward": "real forward", "traced": "FakeTensor trace"}[method]
+            ax.scatter(names, points, marker="_", s=900, color="black", zorder=3,
+                       label=f"activations measured at full size ({how})")
+            ax.set_title("This CPU: explicit window attention\n(estimate; activations measured)", fontsize=10)
+        else:
+            ax.set_title("A GPU: fused SDPA attention, LayerNorm in fp32\n(modelled, not measured here)",
+                         fontsize=10)
+        ax.set_xlabel("autocast dtype + activation checkpointing")
+    axes[0].set_ylabel("GB per training step (peak)")
+    axes[0].set_ylim(0, max(bottoms) * 1.3 + 5)
+    fig.suptitle("SwinIR (11.75M parameters), one 720×1440 field, batch 1: training memory by category", fontsize=11)
+    handles, labels = axes[0].get_legend_handles_labels()
+    order = sorted(range(len(labels)), key=lambda i: labels[i].startswith("activations measured"))
+    fig.legend([handles[i] for i in order], [labels[i] for i in order], loc="lower center", ncol=3, fontsize=9,
+               frameon=False)
+    fig.tight_layout(rect=(0, 0.1, 1, 0.95))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--step_size", type=size, default=(48, 96), metavar="HxW",
+                        help="low-res size of the timed training steps")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per repeat (after one warm-up)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="rounds of timing over all settings (ratios: median over rounds)")
+    parser.add_argument("--no_full_forward", dest="full_forward", action="store_false",
+                        help="skip the real full-size forward passes (the slowest part)")
+    parser.add_argument("--estimate_only", action="store_true",
+                        help="only the estimate, the FakeTensor traces and the PNG (seconds): no real runs")
+    parser.add_argument("--png", default=str(REPO / "docs" / "memory_by_category.png"))
+    args = parser.parse_args(argv)
+    if args.estimate_only:
+        args.full_forward = False
+    torch.manual_seed(0)
+
+    print(f"threads {torch.get_num_threads()}; GB = 1e9 bytes")
+    print("1. activations at full size (low-res 360x720, batch 1), CPU path")
+    activations = measure_full_size_activations(args)
+    steps = {}
+    if not args.estimate_only:
+        print(f"2. one training step at low-res {args.step_size[0]}x{args.step_size[1]}, batch 1")
+        steps = measure_steps(args)
+    estimates = {device: {n: estimate_memory(config(n, device), lr_size=FULL, device_type=device) for n in SETTINGS}
+                 for device in ("cpu", "cuda")}
+    print("3. estimate at full size (GB): setting | device | params+grads+optimizer | activations | temporary | total")
+    for device, rows in estimates.items():
+        for name, e in rows.items():
+            print(f"  {name:16s} {device:4s} {(e.params + e.grads + e.optimizer) / GB:8.3f} {e.activations / GB:9.2f} "
+                  f"{e.temporary / GB:8.2f} {e.total / GB:8.2f}")
+    plot(estimates, activations, Path(args.png))
+    print(f"4. wrote {args.png}")
+
+    fp32, best = activations["fp32"], activations["bf16 + AC block"]
+    measured_key = "forward" if args.full_forward else "traced"
+    ratio = fp32[measured_key] / best[measured_key]
+    time_ratio = steps["bf16 + AC block"]["time_vs_fp32"] if steps else None
+    timing = f" at {time_ratio:.2f}x the fp32 step time (target <= 1.5x) on this CPU" if steps else ""
+    print(f"bf16 + AC block holds {ratio:.1f}x less activation memory than fp32 (target >= 5x){timing}")
+    summary = {
+        "activations_full_size": {n: {k: (v / GB if k in ("estimate", "traced", "forward", "ladder_extrapolated") else v)
+                                      for k, v in row.items()} for n, row in activations.items()},
+        "step": {"lr_size": list(args.step_size), **steps},
+        "estimate_full_size_gb": {d: {n: e.to_json() for n, e in rows.items()} for d, rows in estimates.items()},
+        "activation_ratio_fp32_vs_bf16_ac": ratio, "step_time_ratio_bf16_ac_vs_fp32": time_ratio,
+        "threads": torch.get_num_threads(),
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Steps 1-2 — predict the peak training memory of a SwinIR config, before running out of it.
+
+Adds up, per rank: parameters, gradients, AdamW state, the activations autograd holds for
+backward (a formula per layer that follows SwinIR's windowed attention, so it grows linearly with
+the number of pixels), and the temporary peak of backward. Nothing is run: it takes a second.
+
+    python estimate_memory.py --config full_size                        # whole 720x1440 fields, fp32
+    python estimate_memory.py --config full_size --amp_dtype bf16 --ac block
+    python estimate_memory.py --config full_size --device cuda          # GPU attention path (default: this machine's)
+    python estimate_memory.py --config baseline --crop_size 64 --batch_size 2
+    python estimate_memory.py --config full_size --batch_size 8 --world_size 8 --strategy fsdp --param_dtype bf16
+    python estimate_memory.py --config full_size --json                 # one JSON object
+
+Any config key can be overridden as in the training scripts (`--help` lists them). batch_size is
+the global batch: with --world_size N each rank holds batch_size / N samples.
+See utils/memory.py for the model of each term, and which terms are exact or approximate;
+benchmarks/validate_memory_estimate.py compares the estimate with measurements.
+"""
+
+from __future__ import annotations
+
+import json
+
+from utils.config import ConfigError, parse_config
+from utils.memory import GB, MemoryEstimate, estimate_memory
+from utils.training import run_cli
+
+ACCURACY = {  # what the estimate can promise for each term (utils/memory.py explains why)
+    "params": "exact",
+    "grads": "exact",
+    "optimizer": "exact",
+    "activations": {"cpu": "exact (measured on CPU)", "cuda": "modelled (SDPA kernel)"},
+    "temporary": "approximate",
+}
+
+
+def _field(text: str) -> tuple[int, int]:
+    try:
+        height, width = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise ConfigError(f"--field {text!r} is not HEIGHTxWIDTH, e.g. 720x1440") from None
+    if height < 1 or width < 1:
+        raise ConfigError(f"--field {text!r} needs positive sides")
+    return height, width
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--world_size", type=int, default=1, help="ranks sharing the global batch")
+    parser.add_argument("--strategy", choices=["none", "ddp", "fsdp"], default=None,
+                        help="none (one device, train.py), ddp or fsdp; default: none for 1 rank, else ddp")
+    parser.add_argument("--field", default=None, metavar="HxW",
+                        help="high-res whole-field size for crop_size 0 (default: the data's grid, else 720x1440)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+
+def format_table(estimate: MemoryEstimate) -> str:
+    s = estimate.setting
+    ranks = f"{s['world_size']} rank{'s' if s['world_size'] > 1 else ''}, strategy {s['strategy']}"
+    lines = [
+        f"SwinIR training memory estimate — config {s['config']}: {s['num_params']:,} parameters, {ranks}",
+        f"  input {s['lr_input'][0]}x{s['lr_input'][1]} low-res (padded {s['padded_input'][0]}x{s['padded_input'][1]}), "
+        f"batch {s['batch_per_rank']} per rank = {s['tokens_per_rank']:,} tokens; device {s['device_type']} "
+        f"({s['attention']} window attention); {s['precision']}; activation checkpointing {s['ac']}",
+    ]
+    if "field" in s:
+        lines.append(f"  whole {s['field'][0]}x{s['field'][1]} fields: {s['field_source']}")
+    lines += [
+        "",
+        f"  {'per rank':34s} {'GB':>10s}   accuracy",
+    ]
+    accuracy = dict(ACCURACY, activations=ACCURACY["activations"][s["device_type"]])
+
+    def row(name, value, note="", indent=2):
+        lines.append(f"{' ' * indent}{name:{36 - indent}s} {value / GB:10.3f}   {note}")
+
+    row("parameters", estimate.params, accuracy["params"])
+    if len(estimate.params_detail) > 1:
+        for key, value in estimate.params_detail.items():
+            row(key.replace("_", " "), value, indent=6)
+    row("gradients", estimate.grads, accuracy["grads"])
+    row("optimizer state (AdamW)", estimate.optimizer, accuracy["optimizer"])
+    row("activations (held for backward)", estimate.activations, accuracy["activations"])
+    for key, value in estimate.activations_by_part.items():
+        if value:
+            row(key.replace("_", " "), value, indent=6)
+    row("temporary peak (backward)", estimate.temporary, accuracy["temporary"])
+    lines.append(f"  {'-' * 48}")
+    row("total (upper bound of the peak)", estimate.total)
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    cfg, args = parse_config(__doc__, argv, extra_args=add_arguments)
+    strategy = args.strategy or ("none" if args.world_size == 1 else "ddp")
+    field = _field(args.field) if args.field else None
+    estimate = estimate_memory(cfg, world_size=args.world_size, strategy=strategy, field=field)
+    print(json.dumps(estimate.to_json()) if args.json else format_table(estimate))
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,146 @@
+"""Steps 1-2: mixed precision (amp_dtype) and activation checkpointing (ac), as the training scripts use them."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from models import build_model
+from tests.conftest import TINY_MODEL, run_script
+from utils.config import build_config
+from utils.memory import SavedTensorBytes, random_batch
+from utils.techniques import ac_units, apply_ac
+from utils.training import autocast, configure_backends, make_grad_scaler
+
+CPU = torch.device("cpu")
+
+
+def small_setup(**overrides):
+    """A small SwinIR (stochastic depth on) and a batch in physical units."""
+    cfg = build_config("quickstart", {"embed_dim": 24, "depths": [2, 2], "num_heads": [2, 3], "img_size": 16,
+                                      "drop_path_rate": 0.1, "crop_size": 0, **overrides})
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    lr, hr = random_batch(cfg, (16, 24), batch=2)
+    return model, lr, hr
+
+
+def loss_and_grads(model, lr, hr, amp_dtype="none", seed=1):
+    """train.py's step up to the gradients: autocast forward, fp32 L1 loss, (scaled) backward, unscale."""
+    model.zero_grad(set_to_none=True)
+    scaler = make_grad_scaler(CPU, amp_dtype)
+    torch.manual_seed(seed)  # same stochastic-depth draws in every variant
+    with autocast(CPU, amp_dtype):
+        pred = model(lr)
+    loss = F.l1_loss(pred.float(), hr)
+    scaler.scale(loss).backward()
+    grads = [p.grad / scaler.get_scale() if scaler.is_enabled() else p.grad for p in model.parameters()]
+    return loss.detach(), torch.cat([g.flatten() for g in grads])
+
+
+# ------------------------------------------------------------------ mixed precision
+
+@pytest.mark.parametrize("amp_dtype", ["bf16", "fp16"])
+def test_mixed_precision_matches_the_fp32_reference(amp_dtype):
+    model, lr, hr = small_setup()
+    loss, grads = loss_and_grads(model, lr, hr)
+    loss_amp, grads_amp = loss_and_grads(model, lr, hr, amp_dtype)
+    assert torch.isfinite(grads_amp).all()
+    assert loss_amp.item() == pytest.approx(loss.item(), rel=2e-2)
+    assert (grads_amp - grads).norm() / grads.norm() < 0.05
+    assert F.cosine_similarity(grads_amp, grads, dim=0) > 0.995
+
+
+def test_fp16_uses_a_grad_scaler_and_bf16_does_not():
+    assert make_grad_scaler(CPU, "fp16").is_enabled()
+    assert not make_grad_scaler(CPU, "bf16").is_enabled() and not make_grad_scaler(CPU, "none").is_enabled()
+    loss = torch.tensor(0.5, requires_grad=True)
+    assert make_grad_scaler(CPU, "fp16").scale(loss).item() == 0.5 * 2.0 ** 16  # fp16 gradients are lifted
+    assert make_grad_scaler(CPU, "bf16").scale(loss) is loss  # bf16 has fp32's exponent range
+
+
+def test_autocast_runs_matmuls_in_the_low_precision_and_none_is_plain_fp32():
+    layer = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    for amp_dtype, dtype in (("none", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        with autocast(CPU, amp_dtype):
+            assert layer(x).dtype == dtype
+
+
+def test_tf32_switch_follows_the_config_on_cuda(monkeypatch):
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    try:
+        for tf32 in (False, True):
+            configure_backends(build_config("quickstart", {"tf32": tf32}))
+            assert torch.backends.cuda.matmul.allow_tf32 is tf32 and torch.backends.cudnn.allow_tf32 is tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+# ------------------------------------------------------------------ activation checkpointing
+
+def backward_flops(model, lr, hr) -> int:
+    loss = F.l1_loss(model(lr), hr)
+    with FlopCounterMode(display=False) as counter:
+        loss.backward()
+    return counter.get_total_flops()
+
+
+def saved_bytes(model, lr, hr) -> int:
+    with SavedTensorBytes(exclude=[*model.parameters(), *model.buffers()], hold=False) as counter:
+        F.l1_loss(model(lr), hr)
+    return counter.bytes
+
+
+def test_checkpointing_same_gradients_recomputes_and_saves_less():
+    model, lr, hr = small_setup()
+    loss, grads = loss_and_grads(model, lr, hr)
+    with FlopCounterMode(display=False) as forward_counter:
+        model(lr)
+    forward_by_module = {name: sum(counts.values()) for name, counts in forward_counter.get_flop_counts().items()}
+    names = {id(module): f"SwinIR.{name}" for name, module in model.named_modules()}
+    plain_backward, plain_saved = backward_flops(model, lr, hr), saved_bytes(model, lr, hr)
+    results = {}
+    for mode in ("block", "layer"):
+        variant = apply_ac(copy.deepcopy(model), mode)
+        assert variant.state_dict().keys() == model.state_dict().keys()  # checkpoints stay interchangeable
+        loss_ac, grads_ac = loss_and_grads(variant, lr, hr)  # stochastic depth replayed in the recomputation
+        assert torch.equal(loss_ac, loss), mode
+        torch.testing.assert_close(grads_ac, grads, rtol=1e-5, atol=1e-7)
+        # Backward re-runs the forward of every unit, up to the last tensor it needs (early stop).
+        units_forward = sum(forward_by_module[names[id(unit)]] for unit in ac_units(model, mode))
+        extra = backward_flops(variant, lr, hr) - plain_backward
+        assert 0.7 * units_forward < extra <= units_forward, mode
+        results[mode] = extra, saved_bytes(variant, lr, hr)
+    assert results["layer"][0] > results["block"][0]  # "layer" also recomputes the RSTB convolutions
+    assert results["layer"][1] < results["block"][1] < plain_saved / 3
+
+
+def test_apply_ac_none_is_a_no_op_and_bad_unit_is_an_error():
+    model, lr, hr = small_setup()
+    before = saved_bytes(model, lr, hr)
+    assert apply_ac(model, "none") is model and saved_bytes(model, lr, hr) == before
+    with pytest.raises(ValueError, match="'block' or 'layer'"):
+        apply_ac(model, "rstb")
+
+
+# ------------------------------------------------------------------ the training script, from config
+
+def final_checkpoint(run_dir):
+    path = sorted((run_dir / "checkpoints").glob("step_*.pt"))[-1]
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def test_train_full_size_config_on_cpu_with_fp16_and_checkpointing(tiny_data, tmp_path):
+    # full_size trains on whole fields (crop_size 0): here the 64 x 128 fields of the tiny data set.
+    run = tmp_path / "full"
+    run_script("train.py", "--config", "full_size", "--data_dir", str(tiny_data), "--valid_split", "valid",
+               "--run_dir", str(run), "--num_workers", "0", "--val_samples", "1", "--max_steps", "2",
+               "--log_every", "1", "--progress", "never", "--amp_dtype", "fp16", "--ac", "block", *TINY_MODEL)
+    payload = final_checkpoint(run)
+    assert payload["config"]["crop_size"] == 0 and payload["config"]["ac"] == "block"
+    assert payload["scaler"]["scale"] > 0  # fp16 trains through the GradScaler (bf16's is disabled: {})
+    assert all(torch.isfinite(v).all() for v in payload["model"].values() if v.is_floating_point())

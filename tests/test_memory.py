@@ -1,0 +1,200 @@
+"""estimate_memory.py and utils/memory.py: the analytic estimate against measurements on CPU."""
+
+import json
+
+import pytest
+import torch
+
+import estimate_memory
+from models import build_model, count_parameters
+from tests.conftest import run_script
+from utils.config import ConfigError, build_config, load_named_configs
+from utils.memory import (SavedTensorBytes, SwinIRShape, build_for_measurement, estimate_memory as estimate,
+                          measure_config, measure_saved_activations, random_batch, trace_saved_activations)
+from utils.training import run_cli
+
+# Small enough for a forward in a fraction of a second; two RSTBs with different head counts.
+TINY = dict(embed_dim=24, depths=[2, 2], num_heads=[2, 3], img_size=16, window_size=8, drop_path_rate=0.1,
+            crop_size=0, device="cpu")
+
+
+def tiny_config(**overrides):
+    return build_config("quickstart", {**TINY, **overrides})
+
+
+def relative_error(predicted, measured):
+    return abs(predicted - measured) / measured
+
+
+# ------------------------------------------------------------------ activations: estimate vs measurement
+
+@pytest.mark.parametrize("overrides, lr_size", [
+    (dict(batch_size=2), (16, 24)),
+    (dict(batch_size=1, ac="block"), (20, 28)),                       # padded to 24 x 32
+    (dict(batch_size=3, ac="layer"), (16, 16)),
+    (dict(batch_size=2, amp_dtype="bf16"), (16, 32)),
+    (dict(batch_size=1, amp_dtype="fp16", ac="block", upscale=4), (12, 20)),
+    (dict(batch_size=2, amp_dtype="bf16", ac="layer", resi_connection="3conv", upsampler="nearest+conv",
+          loss="mse"), (16, 24)),
+    (dict(batch_size=1, upsampler="pixelshuffledirect", upscale=3), (16, 24)),
+    (dict(batch_size=1, upsampler=""), (16, 24)),
+])
+def test_estimated_activations_within_15_percent_of_measured(overrides, lr_size):
+    cfg = tiny_config(**overrides)
+    lr, hr = random_batch(cfg, lr_size)
+    measured = measure_saved_activations(build_for_measurement(cfg), lr, hr, cfg.train.amp_dtype, cfg.train.loss)
+    predicted = estimate(cfg, lr_size=lr_size, device_type="cpu").activations
+    assert relative_error(predicted, measured.bytes) <= 0.15, (predicted, measured.bytes)
+
+
+def test_one_training_step_measured_peak_close_to_estimated_total():
+    cfg = tiny_config(batch_size=2, amp_dtype="bf16", ac="block")
+    lr_size = (16, 32)
+    measured = measure_config(cfg, lr_size)
+    predicted = estimate(cfg, lr_size=lr_size, device_type="cpu")
+    assert measured.method == "torch.profiler CPU allocation trace"
+    assert (predicted.params, predicted.grads, predicted.optimizer) == (measured.params, measured.grads,
+                                                                          measured.optimizer)
+    assert relative_error(predicted.activations, measured.activations) <= 0.15
+    assert relative_error(predicted.total, measured.peak) <= 0.2, (predicted.total, measured.peak)
+    assert measured.params + measured.optimizer < measured.peak_forward <= measured.peak
+
+
+def test_fake_tensor_trace_counts_what_a_real_forward_saves():
+    cfg = tiny_config(batch_size=2, ac="block")
+    lr, hr = random_batch(cfg, (16, 24))
+    model = build_for_measurement(cfg)
+    real = measure_saved_activations(model, lr, hr).bytes
+    assert trace_saved_activations(model, tuple(lr.shape)).bytes == real
+    assert measure_saved_activations(model, lr, hr).bytes == real  # the mask cache survived the fake run
+
+
+def test_activations_grow_linearly_with_pixels_measured_and_estimated():
+    # Two RSTBs of the tutorial's SwinIR (width 180, 6 heads), traced without computing anything.
+    cfg = build_config("full_size", {"depths": [6, 6], "num_heads": [6, 6]})
+    model = build_model(cfg.model)
+    small, large = (trace_saved_activations(model, (1, 3, h, 64)).bytes for h in (32, 64))
+    assert large / small == pytest.approx(2.0, rel=0.02)
+    per_pixel = [estimate(cfg, lr_size=(h, 720), device_type="cpu").activations / (h * 720) for h in (96, 192, 360)]
+    assert max(per_pixel) / min(per_pixel) < 1.001  # windowed attention: a fixed cost per pixel
+    # The estimate counts what the real model saves at the tutorial's size too.
+    assert relative_error(estimate(cfg, lr_size=(32, 64), device_type="cpu").activations, small) <= 0.15
+
+
+# ------------------------------------------------------------------ the counter itself
+
+def test_saved_tensor_counter_counts_each_storage_once_and_skips_parameters():
+    weight = torch.nn.Parameter(torch.randn(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    with SavedTensorBytes(exclude=[weight]) as counter:
+        y = x @ weight          # saves x and weight (a parameter: not counted)
+        z = (y * y[:, :4].repeat(1, 2)).sum() + (x[1:] * 2).exp().sum()  # y twice, a view of x, exp's output
+    assert counter.bytes == (4 * 8 + 4 * 8 + 4 * 8 + 3 * 8) * 4  # x, y, repeat's output, exp's output
+    z.backward()
+    assert x.grad is not None
+    with SavedTensorBytes(hold=False) as dropped:
+        loss = (x * x).sum()
+    assert dropped.bytes == 4 * 8 * 4
+    with pytest.raises(RuntimeError, match="backward is impossible"):
+        loss.backward()
+
+
+# ------------------------------------------------------------------ parameters, strategies, full size
+
+def distinct_models() -> dict:
+    """One named config per distinct model section (baseline, full_size, ... share the tutorial's)."""
+    models = {}
+    for name in load_named_configs():
+        models.setdefault(json.dumps(build_config(name).model.__dict__, sort_keys=True), name)
+    return {name: None for name in models.values()}
+
+
+@pytest.mark.parametrize("name", distinct_models())
+def test_parameter_count_is_exact_for_every_named_config(name):
+    assert_same_parameters(build_config(name))
+
+
+def assert_same_parameters(cfg):
+    shape, model = SwinIRShape.from_config(cfg.model), build_model(cfg.model)
+    assert shape.num_params() == count_parameters(model)
+    assert shape.num_param_tensors() == len(list(model.parameters()))  # AdamW's step counts
+
+
+@pytest.mark.parametrize("overrides", [dict(resi_connection="3conv", upsampler="nearest+conv", upscale=4),
+                                       dict(upsampler="pixelshuffle", upscale=3), dict(upsampler=""),
+                                       dict(qkv_bias=False, img_size=8, upsampler="pixelshuffledirect")])
+def test_parameter_count_is_exact_for_model_variants(overrides):
+    assert_same_parameters(tiny_config(**overrides))
+
+
+def test_full_size_fields_run_out_of_memory_in_fp32_and_fit_with_bf16_and_checkpointing():
+    on_gpu = {(amp, ac): estimate(build_config("full_size", {"amp_dtype": amp, "ac": ac}), device_type="cuda")
+              for amp, ac in (("none", "none"), ("bf16", "none"), ("bf16", "block"))}
+    assert on_gpu["none", "none"].total > 80e9  # batch 1 does not fit an 80 GB GPU
+    assert on_gpu["bf16", "block"].total < 16e9
+    assert on_gpu["none", "none"].activations / on_gpu["bf16", "block"].activations >= 5
+    assert on_gpu["bf16", "none"].activations < on_gpu["none", "none"].activations
+    cpu = estimate(build_config("full_size"), device_type="cpu")
+    assert cpu.setting["lr_input"] == [360, 720] and cpu.setting["tokens_per_rank"] == 360 * 720
+
+
+def test_per_rank_values_for_ddp_and_fsdp():
+    cfg = build_config("full_size", {"batch_size": 8, "amp_dtype": "bf16", "ac": "block"})
+    one = estimate(build_config("full_size", {"amp_dtype": "bf16", "ac": "block"}), device_type="cuda")
+    ddp = estimate(cfg, world_size=8, strategy="ddp", device_type="cuda")
+    fsdp = estimate(cfg, world_size=8, strategy="fsdp", device_type="cuda")
+    assert ddp.activations == pytest.approx(one.activations)  # batch 8 over 8 ranks: 1 sample each
+    assert (ddp.params, ddp.grads, ddp.optimizer) == (one.params, one.grads, one.optimizer)
+    assert fsdp.optimizer == pytest.approx(one.optimizer / 8, rel=1e-3)  # step counts are not sharded
+    assert fsdp.params < one.params / 2 and fsdp.grads < one.grads / 2
+    assert fsdp.params_detail["sharded_fp32"] == pytest.approx(one.params / 8)
+    hsdp = estimate(build_config("full_size", {"batch_size": 8, "hsdp_replicas": 2}), 8, "fsdp", "cuda")
+    assert hsdp.optimizer == pytest.approx(one.optimizer / 4, rel=1e-3)
+    with pytest.raises(ConfigError, match="divisible"):
+        estimate(build_config("full_size", {"batch_size": 4}), world_size=8, strategy="ddp")
+    with pytest.raises(ConfigError, match="strategy"):
+        estimate(build_config("full_size"), world_size=2, strategy="none")
+
+
+# ------------------------------------------------------------------ the command line
+
+@pytest.mark.parametrize("name", list(load_named_configs()))
+def test_json_for_every_named_config(name, capsys):
+    assert estimate_memory.main(["--config", name, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    keys = ("params_gb", "grads_gb", "optimizer_gb", "activations_gb", "temporary_gb")
+    assert all(result[k] > 0 for k in keys)
+    parts = sum(result[k] for k in keys)
+    assert result["total_gb"] == pytest.approx(parts, abs=1e-5)
+
+
+def test_table_with_overrides_and_fsdp(capsys):
+    assert estimate_memory.main(["--config", "baseline", "--crop_size", "64", "--batch_size", "2",
+                                 "--amp_dtype", "bf16", "--ac", "block", "--world_size", "2", "--strategy", "fsdp",
+                                 "--device", "cpu"]) == 0
+    table = capsys.readouterr().out
+    for words in ("activations", "temporary peak", "total", "gathered units", "32x32 low-res",
+                  "batch 1 per rank", "bf16 autocast", "checkpointing block"):
+        assert words in table, words
+    assert estimate_memory.main(["--config", "full_size", "--field", "1440x2880", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["lr_input"] == [720, 1440]
+
+
+def test_bad_input_is_one_line_and_exit_code_2(capsys):
+    proc = run_script("estimate_memory.py", "--config", "full_size", "--crop_sise", "64", check=False, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "unrecognized arguments: --crop_sise" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    for args, message in ((["--world_size", "3", "--strategy", "ddp"], "divisible by the 3 ranks"),
+                          (["--amp_dtype", "fp8"], "not one of"),
+                          (["--field", "720"], "HEIGHTxWIDTH")):
+        with pytest.raises(SystemExit) as exit_info:
+            run_cli(lambda: estimate_memory.main(["--config", "full_size", *args]))
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_whole_field_size_comes_from_the_data(tiny_data):
+    cfg = build_config("full_size", {"data_dir": str(tiny_data)})  # 65 x 128 fields: the last row is dropped
+    result = estimate(cfg, device_type="cpu")
+    assert result.setting["field"] == [64, 128] and result.setting["lr_input"] == [32, 64]
+    assert str(tiny_data) in result.setting["field_source"]
