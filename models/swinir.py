@@ -15,7 +15,10 @@ Compatibility with the original code (JingyunLiang/SwinIR ``models/network_swini
     tests/test_model.py checks the fast path against a dense reference written out in full.
 
 What differs is how it is computed:
-  * attention runs through ``F.scaled_dot_product_attention`` with bias (+ mask) as a float mask;
+  * attention runs through ``F.scaled_dot_product_attention`` with bias (+ mask) as a float mask,
+    except for CPU training, where PyTorch has no fused kernel that returns the bias gradient and
+    the explicit formula is faster;
+  * token <-> image conversions are views (channels-last convolutions), not copies;
   * the shifted-window mask is built once per (padded size, device, dtype) on the device and
     cached (the original rebuilt it on the CPU in every shifted block on every step, because its
     ``img_size`` never equals the padded input); non-shifted blocks get no mask;
@@ -42,6 +45,9 @@ from torch.utils.checkpoint import checkpoint
 MASKED_LOGIT = -100.0
 # The original code's input shift for 3-channel images (DIV2K RGB mean), used when mean is None.
 DIV2K_RGB_MEAN = (0.4488, 0.4371, 0.4040)
+# CUDA's memory-efficient attention (the fused kernel that takes a bias and returns its gradient)
+# needs head_dim % 8 == 0; the tutorial's 180 channels / 6 heads = 30 is padded to 32 there.
+SDPA_HEAD_DIM_MULTIPLE = {"cuda": 8}
 
 
 def window_partition(x: torch.Tensor, window_size: int) -> torch.Tensor:
@@ -140,18 +146,34 @@ class WindowAttention(nn.Module):
         if mask is not None:
             attn_bias = attn_bias + mask.to(q.dtype).unsqueeze(1)  # (num_windows, heads, N, N)
         if attn_bias.requires_grad and q.device.type == "cpu":
-            # PyTorch's fused CPU attention cannot return the bias gradient, so SDPA would fall back
-            # to an unfused version with extra passes; the explicit (original) formula is faster.
-            attn = torch.matmul(q * self.scale, k.transpose(-2, -1))
-            attn = (attn.view(-1, *attn_bias.shape) + attn_bias).view(B_, -1, N, N)  # windows of all images
-            x = torch.matmul(self.attn_drop(attn.softmax(dim=-1)), v)
+            x = self._explicit_attention(q, k, v, attn_bias)
         else:
-            if attn_bias.shape[0] not in (1, B_):  # SDPA needs the mask per (image, window)
-                attn_bias = attn_bias.expand(B_ // attn_bias.shape[0], -1, -1, -1, -1).flatten(0, 1)
-            x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, scale=self.scale,
-                                               dropout_p=self.attn_drop.p if self.training else 0.0)
+            x = self._fused_attention(q, k, v, attn_bias)
         x = x.transpose(1, 2).reshape(B_, N, C)
         return self.proj_drop(self.proj(x))
+
+    def _explicit_attention(self, q, k, v, attn_bias):
+        """softmax(q k^T * scale + bias) v, as the original computes it.
+
+        Used for CPU training: PyTorch's fused CPU attention cannot return the bias gradient, so
+        SDPA would fall back to an unfused kernel that is slower than this (measured).
+        """
+        B_, heads, N, _ = q.shape
+        attn = torch.matmul(q * self.scale, k.transpose(-2, -1))
+        attn = (attn.view(-1, *attn_bias.shape) + attn_bias).view(B_, heads, N, N)  # broadcast over images
+        return torch.matmul(self.attn_drop(attn.softmax(dim=-1)), v)
+
+    def _fused_attention(self, q, k, v, attn_bias):
+        """The same through F.scaled_dot_product_attention (fused kernels where PyTorch has one)."""
+        if attn_bias.shape[0] not in (1, q.shape[0]):  # SDPA wants the mask per (image, window)
+            attn_bias = attn_bias.expand(q.shape[0] // attn_bias.shape[0], -1, -1, -1, -1).flatten(0, 1)
+        head_dim = q.shape[-1]
+        pad = -head_dim % SDPA_HEAD_DIM_MULTIPLE.get(q.device.type, 1)
+        if pad:  # zero channels change neither q k^T nor the kept part of the output
+            q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
+        x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, scale=self.scale,
+                                           dropout_p=self.attn_drop.p if self.training else 0.0)
+        return x[..., :head_dim]
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, window_size={self.window_size}, num_heads={self.num_heads}"
