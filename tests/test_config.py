@@ -28,8 +28,10 @@ def test_baseline_is_the_tutorial():
 
 
 def test_merge_from_base_and_overrides():
-    cfg = build_config("quickstart", {"batch_size": "4", "depths": "[1, 1]", "lr": "1e-3", "pin_memory": "false"})
-    assert cfg.train.batch_size == 4 and cfg.model.depths == [1, 1] and cfg.train.lr == 1e-3
+    cfg = build_config("quickstart", {"batch_size": "4", "depths": "[1, 1]", "num_heads": "2,2", "lr": "1e-3",
+                                      "pin_memory": "false"})
+    assert cfg.train.batch_size == 4 and cfg.model.depths == [1, 1] and cfg.model.num_heads == [2, 2]
+    assert cfg.train.lr == 1e-3
     assert cfg.data.pin_memory is False
     assert cfg.train.weight_decay == 1e-6  # inherited from base
 
