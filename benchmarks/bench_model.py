@@ -4,8 +4,10 @@ A step is forward + L1 loss + backward + AdamW step on random low-res inputs (ba
 --size x --size pixels) of the named config's model (default: the tutorial's 11.75M SwinIR).
 FLOPs per step are counted with torch.utils.flop_counter.FlopCounterMode (matmuls, convolutions
 and attention; multiply and add counted separately). The matmul peak is measured in the same run
-on the same device with large square matmuls (fp32, and bf16 where the device supports it), and
-the fraction of peak is (FLOPs per step / seconds per step) / peak for the step's dtype.
+on the same device with large square matmuls (fp32, and bf16 where the device supports it): a
+sweep of sizes picks the fastest, which is then measured again right after every timed step. The
+fraction of peak is the median over steps of (FLOPs per step / that step's seconds) / (the matmul
+FLOP/s measured right after it), so a slow moment of a shared machine affects both sides.
 
     python benchmarks/bench_model.py                       # tutorial model, LR 64x64, batch 1
     python benchmarks/bench_model.py --dtype bf16          # under bf16 autocast, vs the bf16 peak
@@ -73,24 +75,26 @@ def supports_bf16_matmul(device: torch.device) -> bool:
     return any(flag in flags for flag in ("avx512_bf16", "amx_bf16"))
 
 
+def matmul_rate(device: torch.device, dtype: torch.dtype, n: int, min_seconds: float) -> float:
+    """FLOP/s of n x n matmuls on device, timed for at least min_seconds."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    torch.mm(a, b)
+    synchronize(device)
+    reps, elapsed = 0, 0.0
+    start = time.perf_counter()
+    while elapsed < min_seconds:
+        torch.mm(a, b)
+        synchronize(device)
+        reps += 1
+        elapsed = time.perf_counter() - start
+    return 2 * n ** 3 * reps / elapsed
+
+
 def matmul_peak(device: torch.device, dtype: torch.dtype, min_seconds: float = 0.3) -> tuple[float, int]:
     """Best FLOP/s (and the size reaching it) of square matmuls on device."""
     sizes = (1024, 2048, 4096) if device.type == "cpu" else (4096, 8192)
-    best = (0.0, 0)
-    for n in sizes:
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        b = torch.randn(n, n, device=device, dtype=dtype)
-        torch.mm(a, b)
-        synchronize(device)
-        reps, elapsed = 0, 0.0
-        start = time.perf_counter()
-        while elapsed < min_seconds:
-            torch.mm(a, b)
-            synchronize(device)
-            reps += 1
-            elapsed = time.perf_counter() - start
-        best = max(best, (2 * n ** 3 * reps / elapsed, n))
-    return best
+    return max((matmul_rate(device, dtype, n, min_seconds), n) for n in sizes)
 
 
 def main(argv=None) -> int:
@@ -139,34 +143,39 @@ def main(argv=None) -> int:
 
     for _ in range(args.warmup):
         step()
-    times = []
+    # Each timed step is paired with a matmul measurement right after it, so that a slow moment of
+    # a shared machine (another process, a VM's stolen time) lowers both and not just the step.
+    times, rates = [], []
     for _ in range(args.steps):
         synchronize(device)
         start = time.perf_counter()
         step()
         synchronize(device)
         times.append(time.perf_counter() - start)
+        rates.append(matmul_rate(device, dtype, peak_n, args.peak_seconds / 3))
     sec_per_step = statistics.median(times)
-    # Measured again after the steps: the larger value is the peak (another process may load the CPU).
-    peak_flops, peak_n = max((peak_flops, peak_n), matmul_peak(device, dtype, args.peak_seconds))
-    bf16_peak = (matmul_peak(device, torch.bfloat16, args.peak_seconds)[0] if dtype == torch.float32 and supports_bf16_matmul(device)
-                 else peak_flops if dtype == torch.bfloat16 else None)
-    fraction = flops_per_step / sec_per_step / peak_flops
+    peak_flops = statistics.median(rates)
+    fraction = statistics.median(flops_per_step / t / rate for t, rate in zip(times, rates))
+    if dtype == torch.bfloat16:
+        bf16_peak = peak_flops
+    else:
+        bf16_peak = matmul_peak(device, torch.bfloat16, args.peak_seconds)[0] if supports_bf16_matmul(device) else None
 
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device: {name}{threads}; torch {torch.__version__}")
     print(f"model: config {args.config!r}, {count_parameters(model):,} parameters, "
           f"drop_path_rate {cfg.model.drop_path_rate}; LR {args.size}x{args.size}, batch {args.batch_size}, {args.dtype}")
-    print(f"matmul peak {args.dtype}: {peak_flops / 1e9:.1f} GFLOP/s (n={peak_n})"
+    print(f"matmul peak {args.dtype}: {peak_flops / 1e9:.1f} GFLOP/s (n={peak_n}, median of the runs after each step)"
           + (f"; bf16: {bf16_peak / 1e9:.1f} GFLOP/s" if bf16_peak and dtype == torch.float32 else ""))
     print(f"model FLOPs per step: {flops_per_step / 1e9:.1f} GFLOP (forward + backward)")
     print(f"seconds per step: {sec_per_step:.4f} (median of {args.steps}; min {min(times):.4f}, max {max(times):.4f})")
     print(f"samples per second: {args.batch_size / sec_per_step:.2f}")
-    print(f"achieved: {flops_per_step / sec_per_step / 1e9:.1f} GFLOP/s = {fraction:.3f} of the {args.dtype} matmul peak")
+    print(f"achieved: {flops_per_step / sec_per_step / 1e9:.1f} GFLOP/s; {fraction:.3f} of the {args.dtype} matmul peak "
+          "(median over steps of step FLOP/s / the matmul FLOP/s measured right after it)")
     print(json.dumps({
         "sec_per_step": sec_per_step, "flops_per_step": flops_per_step, "matmul_peak_flops": peak_flops,
-        "fraction_of_peak": fraction, "samples_per_sec": args.batch_size / sec_per_step,
+        "fraction_of_peak": fraction, "sec_per_step_min": min(times), "samples_per_sec": args.batch_size / sec_per_step,
         "bf16_matmul_peak_flops": bf16_peak, "dtype": args.dtype, "device": name,
         "batch_size": args.batch_size, "size": args.size, "config": args.config,
     }))

@@ -144,3 +144,28 @@ def test_train_full_size_config_on_cpu_with_fp16_and_checkpointing(tiny_data, tm
     assert payload["config"]["crop_size"] == 0 and payload["config"]["ac"] == "block"
     assert payload["scaler"]["scale"] > 0  # fp16 trains through the GradScaler (bf16's is disabled: {})
     assert all(torch.isfinite(v).all() for v in payload["model"].values() if v.is_floating_point())
+
+
+def test_compile_gives_every_block_a_graph_and_matches_eager():
+    """36 blocks with distinct drop-path rates exceed dynamo's default recompile limit (8);
+    apply_compile must raise it, or later blocks silently run eagerly."""
+    from torch._dynamo.utils import counters
+
+    from utils.techniques import apply_compile
+
+    torch._dynamo.reset()
+    cfg = build_config("quickstart", {"depths": [6, 6], "num_heads": [2, 2], "drop_path_rate": 0.1})
+    eager = build_model(cfg.model)  # training mode: dynamo guards on every drop-path rate
+    compiled = apply_compile(copy.deepcopy(eager), True, backend="eager")
+    blocks = list(compiled.swin_blocks())
+    distinct = {(b.shift_size, getattr(b.drop_path, "drop_prob", 0.0)) for b in blocks}
+    assert len(distinct) > 8
+    x = torch.randn(1, 3, 16, 24)
+    counters.clear()
+    outputs = []
+    for model in (compiled, eager):
+        torch.manual_seed(0)  # same stochastic-depth draws
+        outputs.append(model(x))
+    torch.testing.assert_close(*outputs)
+    assert counters["stats"]["unique_graphs"] == len(distinct)
+    torch._dynamo.reset()
