@@ -33,6 +33,19 @@ def test_save_then_load_round_trip(tmp_path):
     assert os.listdir(tmp_path / "ckpt") == ["step_00000007.pt"]  # no temp or probe files left
 
 
+def test_written_files_get_the_umask_permissions_not_private_ones(tmp_path):
+    """mkstemp creates 0600 files; a run's outputs must be readable by the project group."""
+    old = os.umask(0o027)
+    try:
+        path = save_checkpoint(tmp_path / "ckpt", 1, small_state(1.0))
+        with ckpt.replaced_atomically(tmp_path / "picture.png") as temporary:
+            temporary.write_bytes(b"png")
+    finally:
+        os.umask(old)
+    for written in (path, tmp_path / "picture.png"):
+        assert written.stat().st_mode & 0o777 == 0o640
+
+
 @pytest.mark.parametrize("failing", ["torch.save", "os.replace", "keyboard interrupt"])
 def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch, failing):
     directory = tmp_path / "ckpt"

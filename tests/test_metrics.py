@@ -42,7 +42,7 @@ def test_logger_writes_json_lines_tensorboard_and_console(tmp_path):
 
     assert lines[0] == ("step     50 | epoch 0 | loss 1.234 | lr 8.0e-04 | 123.4 samples/s | mfu 12.3% | "
                         "mem 1.23 GB")
-    assert lines[1] == "val   step     50 | rmse ke 0.5 t2m 1.5 tcwv 2.5 | bicubic_rmse ke 0.75 t2m 2 tcwv nan"
+    assert lines[1] == "val   step     50 | rmse: ke 0.5, t2m 1.5, tcwv 2.5 | bicubic_rmse: ke 0.75, t2m 2, tcwv nan"
 
     event_files = list(run_dir.glob("events.out.tfevents.*"))
     assert len(event_files) == 1 and event_files[0].stat().st_size > 0

@@ -16,12 +16,13 @@ One process writes a folder (rank 0 for DDP); FSDP runs use ``torch.distributed.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import random
 import re
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -104,6 +105,29 @@ def _checkpoints_by_step(ckpt_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+@contextlib.contextmanager
+def replaced_atomically(path: Path | str, prefix: str = ".tmp-") -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on success it is renamed to ``path``, on any error
+    (Ctrl-C included) removed, so a crash never leaves a half-written file under the final name.
+
+    The temporary name ends with the final name (the profiler picks gzip from ``.gz``), and the
+    file gets an ordinary new file's permissions (umask), not mkstemp's private 0600, so that
+    colleagues in the project group can read a run's outputs.
+    """
+    path = Path(path)
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=prefix, suffix="-" + path.name)
+    os.close(fd)
+    try:
+        yield Path(temporary)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temporary, 0o666 & ~umask)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
 def _remove_stale_temp_files(ckpt_dir: Path) -> None:
     for entry in ckpt_dir.glob(TEMP_PREFIX + "*"):
         entry.unlink(missing_ok=True)
@@ -123,22 +147,16 @@ def save_checkpoint(ckpt_dir, step: int, state: dict, keep: int = 2) -> Path:
     ckpt_dir = ensure_writable_dir(ckpt_dir)
     _remove_stale_temp_files(ckpt_dir)
     final_path = ckpt_dir / f"step_{step:08d}.pt"
-    fd, temp_name = tempfile.mkstemp(dir=ckpt_dir, prefix=f"{TEMP_PREFIX}{step:08d}-", suffix=".pt")
     try:
-        with os.fdopen(fd, "wb") as stream:
+        with replaced_atomically(final_path, prefix=TEMP_PREFIX) as temporary, open(temporary, "wb") as stream:
             torch.save(state, stream)
             stream.flush()
             os.fsync(stream.fileno())
-        os.replace(temp_name, final_path)
-    except BaseException as error:
-        # Also on KeyboardInterrupt: a Ctrl-C mid-save must not leave a temp file or a partial step file.
-        Path(temp_name).unlink(missing_ok=True)
-        if isinstance(error, OSError):
-            raise CheckpointError(
-                f"could not write checkpoint {final_path} ({error.strerror or error}): free space or "
-                "choose another --run_dir; the previous checkpoint is intact"
-            ) from None
-        raise
+    except OSError as error:  # the temporary file is gone already; a Ctrl-C propagates unchanged
+        raise CheckpointError(
+            f"could not write checkpoint {final_path} ({error.strerror or error}): free space or "
+            "choose another --run_dir; the previous checkpoint is intact"
+        ) from None
     fsync_dir(ckpt_dir)
 
     if keep >= 1:

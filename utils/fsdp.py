@@ -24,7 +24,6 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
@@ -39,8 +38,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from utils.checkpoint import (CheckpointError, fsync_dir, capture_rng_state, ensure_writable_dir,
-                              restore_rng_state)
+from utils.checkpoint import (CheckpointError, capture_rng_state, ensure_writable_dir, fsync_dir,
+                              replaced_atomically, restore_rng_state)
 from utils.config import ConfigError
 from utils.distributed import barrier
 from utils.techniques import ac_units
@@ -302,25 +301,21 @@ def export_full_state_dict(checkpoint, out) -> Path:
         raise CheckpointError(f"{checkpoint} is not a complete DCP checkpoint folder (no {DCP_METADATA}): "
                               "pass a step_<N> folder from <run_dir>/checkpoints")
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(dir=out.parent, prefix=f".tmp-{out.name}-")
-    os.close(fd)
     try:
-        dcp_to_torch_save(checkpoint, temp)
-        saved = torch.load(temp, map_location="cpu", weights_only=True)
-        rng = saved["rng"]
-        cuda_rng = rng.pop("cuda")
-        if cuda_rng:  # as capture_rng_state: a list, and only where CUDA was available
-            rng["cuda"] = list(cuda_rng)
-        torch.save({"model": saved["model"], "optimizer": _optimizer_by_index(saved["optimizer"]),
-                    "scheduler": saved["scheduler"],
-                    "scaler": saved.get("scaler", {}),  # DCP stores no empty dict (a disabled GradScaler's)
-                    "train_state": saved["train_state"], "rng": rng, "config": json.loads(saved["config"])}, temp)
-        os.replace(temp, out)
-    except BaseException as error:
-        Path(temp).unlink(missing_ok=True)
-        if isinstance(error, (OSError, CheckpointException, KeyError)):
-            raise CheckpointError(f"could not export {checkpoint} to {out} ({_first_line(error)})") from None
-        raise
+        with replaced_atomically(out) as temp:
+            dcp_to_torch_save(checkpoint, temp)
+            saved = torch.load(temp, map_location="cpu", weights_only=True)
+            rng = saved["rng"]
+            cuda_rng = rng.pop("cuda")
+            if cuda_rng:  # as capture_rng_state: a list, and only where CUDA was available
+                rng["cuda"] = list(cuda_rng)
+            torch.save({"model": saved["model"], "optimizer": _optimizer_by_index(saved["optimizer"]),
+                        "scheduler": saved["scheduler"],
+                        "scaler": saved.get("scaler", {}),  # DCP stores no empty dict (a disabled GradScaler's)
+                        "train_state": saved["train_state"], "rng": rng, "config": json.loads(saved["config"])},
+                       temp)
+    except (OSError, CheckpointException, KeyError) as error:
+        raise CheckpointError(f"could not export {checkpoint} to {out} ({_first_line(error)})") from None
     return out
 
 

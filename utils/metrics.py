@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -39,6 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
+
+from utils.checkpoint import replaced_atomically
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -186,7 +186,8 @@ class MetricsLogger:
                 parts.append(f"{key} " + "/".join(_fmt_value(item) for item in value))
             elif isinstance(value, (list, dict)):
                 named = value if isinstance(value, dict) else dict(zip(self.channel_names, value))
-                parts.append(f"{key} " + " ".join(f"{name} {_fmt_value(item)}" for name, item in named.items()))
+                # Commas: channel names may contain spaces ("temperature 2 m").
+                parts.append(f"{key}: " + ", ".join(f"{name} {_fmt_value(item)}" for name, item in named.items()))
             else:
                 parts.append(f"{key} {_fmt_value(value)}")
         return " | ".join(parts)
@@ -547,11 +548,5 @@ def save_sample_png(
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.stem}-", suffix=".png")
-    try:
-        with os.fdopen(fd, "wb") as stream:
-            fig.savefig(stream, format="png", dpi=dpi)
-        os.replace(temp_name, path)
-    except BaseException:
-        Path(temp_name).unlink(missing_ok=True)
-        raise
+    with replaced_atomically(path) as temporary:
+        fig.savefig(temporary, format="png", dpi=dpi)

@@ -37,6 +37,7 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch.profiler import ProfilerActivity
 
+from utils.checkpoint import replaced_atomically
 from utils.config import Config, ConfigError, ProfileConfig
 from utils.distributed import read_dist_env
 from utils.training import autocast
@@ -91,22 +92,10 @@ def _synchronize(device: torch.device) -> None:
 
 
 def _write_atomically(path: Path, write: Callable[[str], None]) -> Path:
-    """``write(temporary path)`` then rename, so a crash never leaves a half-written file behind.
-
-    The temporary name keeps the final suffixes: the profiler picks gzip from ``.gz``.
-    """
+    """``write(temporary path)`` then rename, so a crash never leaves a half-written file behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix="-" + path.name)
-    os.close(fd)
-    try:
-        write(temporary)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(temporary, 0o666 & ~umask)  # mkstemp makes it private; the result is an ordinary file
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    with replaced_atomically(path) as temporary:
+        write(str(temporary))
     return path
 
 
