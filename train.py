@@ -27,7 +27,7 @@ from utils.metrics import (MetricsLogger, device_peak_flops, mfu, peak_memory_gb
 from utils.techniques import apply_ac, apply_compile
 from utils.training import (TrainState, autocast, build_loss, build_optimizer, check_finite, checkpoint_payload,
                             configure_backends, evaluate, make_grad_scaler, pick_device, restore_payload, run_cli,
-                            seed_everything, show_progress, total_steps)
+                            seed_everything, seed_step, show_progress, total_steps)
 
 
 def main():
@@ -93,6 +93,7 @@ def main():
         for lr, hr in train_loader:
             lr, hr = lr.to(device, non_blocking=True), hr.to(device, non_blocking=True)
 
+            seed_step(tcfg.seed, state.step)  # stochastic-depth draws: a function of (seed, step)
             optimizer.zero_grad(set_to_none=True)
             with autocast(device, tcfg.amp_dtype):
                 pred = model(lr)

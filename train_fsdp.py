@@ -30,7 +30,7 @@ from utils.fsdp import (latest_sharded_checkpoint, load_sharded_checkpoint, memo
 from utils.techniques import apply_ac, apply_compile, apply_fsdp
 from utils.training import (TrainState, autocast, build_loss, build_optimizer, check_finite, configure_backends,
                             evaluate, make_grad_scaler, run_cli,
-                            seed_everything, show_progress, total_steps)
+                            seed_everything, seed_step, show_progress, total_steps)
 
 
 def main():
@@ -103,6 +103,7 @@ def main():
         for lr, hr in train_loader:
             lr, hr = lr.to(device, non_blocking=True), hr.to(device, non_blocking=True)
 
+            seed_step(tcfg.seed, state.step, env.rank)  # stochastic-depth draws: a function of (seed, step, rank)
             optimizer.zero_grad(set_to_none=True)
             with autocast(device, tcfg.amp_dtype):
                 pred = model(lr)

@@ -30,7 +30,7 @@ from utils.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from utils.techniques import apply_ac, apply_compile
 from utils.training import (TrainState, autocast, build_loss, build_optimizer, check_finite, checkpoint_payload,
                             configure_backends, evaluate, make_grad_scaler, pick_device, restore_payload, run_cli,
-                            seed_everything, show_progress, total_steps)
+                            seed_everything, seed_step, show_progress, total_steps)
 
 
 def main():
@@ -104,6 +104,7 @@ def main():
                     break
                 lr, hr = (tensor.to(device, non_blocking=True) for tensor in batch)
 
+            seed_step(tcfg.seed, state.step)  # stochastic-depth draws: a function of (seed, step)
             optimizer.zero_grad(set_to_none=True)
             with record_function("## forward ##"):
                 with autocast(device, tcfg.amp_dtype):

@@ -85,6 +85,19 @@ def test_checkpoint_moves_between_world_sizes(tiny_data, tmp_path, first, second
     assert_same_weights(final_weights(reference), final_weights(moved))
 
 
+def test_resume_with_stochastic_depth_on_two_ranks_is_exact(tiny_data, tmp_path):
+    # Each rank draws its own drop-path masks from (seed, step, rank): nothing rank-specific needs
+    # saving, and the resumed run repeats the uninterrupted one.
+    common = ("--drop_path_rate", "0.5", "--ckpt_every", "3", "--keep_checkpoints", "10")
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    run_script("train_ddp.py", *tiny_args(tiny_data, reference, "--max_steps", "6", *common), launcher=TORCHRUN)
+    run_script("train_ddp.py", *tiny_args(tiny_data, resumed, "--max_steps", "3", *common), launcher=TORCHRUN)
+    run_script("train_ddp.py", *tiny_args(tiny_data, resumed, "--max_steps", "6", *common, "--resume"),
+               launcher=TORCHRUN)
+    a, b = final_weights(reference), final_weights(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ"
+
+
 def test_one_rank_dying_ends_the_job_quickly(tiny_data, tmp_path):
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -1,9 +1,11 @@
 """Bugs earlier tutorials shipped, checked on every training script by spying on a real run.
 
 - optimizer.zero_grad() between backward() and step() (the update then uses zero gradients);
-- no sampler.set_epoch (every epoch sees the same order).
+- no sampler.set_epoch (every epoch sees the same order);
+- one random seed on every rank (every rank then drops the same blocks for its i-th sample).
 """
 
+import re
 import runpy
 import sys
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO, tiny_args
+from utils import training
 from utils.data import ResumableDistributedSampler
 
 SCRIPTS = [p.name for p in sorted(REPO.glob("train*.py"))]
@@ -33,6 +36,13 @@ def test_step_order_and_epochs(script, tiny_data, tmp_path, monkeypatch):
     spy(torch.Tensor, "backward", "backward")
     spy(torch.optim.AdamW, "step", "step")
     spy(ResumableDistributedSampler, "set_epoch", lambda self, epoch, *a, **k: f"epoch{epoch}")
+    real_seed_step = training.seed_step
+
+    def seed_step_spy(seed, step, rank=0):
+        calls.append(f"seed{step}")
+        real_seed_step(seed, step, rank)
+
+    monkeypatch.setattr(training, "seed_step", seed_step_spy)
     # 8 steps per epoch: 10 steps run two epochs.
     monkeypatch.setattr(sys, "argv", [script, *tiny_args(tiny_data, tmp_path / "run", "--max_steps", "10")])
     with pytest.raises(SystemExit) as exit_info:
@@ -41,8 +51,27 @@ def test_step_order_and_epochs(script, tiny_data, tmp_path, monkeypatch):
 
     epochs = [c for c in calls if c.startswith("epoch")]
     assert epochs[:2] == ["epoch0", "epoch1"], f"set_epoch calls: {epochs}"
-    steps = [c for c in calls if c in ("zero_grad", "backward", "step")]
-    steps = steps[steps.index("zero_grad"):]  # set-up may run a backward (FLOP counting) before training
+    steps = [c for c in calls if c in ("zero_grad", "backward", "step") or c.startswith("seed")]
+    steps = steps[steps.index("seed0"):]  # set-up may run a backward (FLOP counting) before training
     assert steps.count("step") == 10
-    pattern = ["zero_grad", "backward", "step"]
-    assert [steps[i:i + 3] for i in range(0, len(steps), 3)] == [pattern] * 10, steps[:12]
+    assert [steps[i:i + 4] for i in range(0, len(steps), 4)] == [
+        [f"seed{i}", "zero_grad", "backward", "step"] for i in range(10)], steps[:12]
+
+
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if "ddp" in s or "fsdp" in s])
+def test_distributed_scripts_seed_each_step_with_the_global_rank(script):
+    """A one-process run cannot tell env.rank from 0; the call itself must pass the global rank
+    (env.rank: RANK under torchrun, SLURM_PROCID under srun; tests/test_distributed_env.py)."""
+    source = (REPO / script).read_text()
+    assert re.search(r"seed_step\(tcfg\.seed, state\.step, env\.rank\)", source)
+    assert "local_rank" not in re.search(r"seed_step\([^)]*\)", source).group(0)
+
+
+def test_seed_step_draws_differ_by_rank_and_step_and_repeat_exactly():
+    def draws(step, rank):
+        training.seed_step(0, step, rank)
+        return torch.rand(4)
+
+    assert torch.equal(draws(5, 1), draws(5, 1))
+    assert not torch.equal(draws(5, 0), draws(5, 1))
+    assert not torch.equal(draws(5, 0), draws(6, 0))

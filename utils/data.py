@@ -185,14 +185,15 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def _hash(*values: int) -> int:
+def stable_hash(*values: int) -> int:
+    """A 64-bit hash of integers, the same in every process and run (unlike Python's hash)."""
     h = 0
     for v in values:
         h = _splitmix64(h ^ (v & _MASK64))
     return h
 
 
-_TRAIN_STREAM, _VALID_STREAM = 1, 2  # keeps training and validation crops unrelated
+_TRAIN_STREAM, _VALID_STREAM, STEP_STREAM = 1, 2, 3  # keeps crops and model draws unrelated
 
 
 # ----------------------------------------------------------------------------------------------
@@ -278,7 +279,7 @@ class ERA5Dataset(Dataset):
         """Top-left (row, column) of the sample's crop; (0, 0) for whole fields."""
         if not self.crop_size:
             return 0, 0
-        key = _hash(self.seed, _TRAIN_STREAM, self.epoch, index) if self.train else _hash(self.seed, _VALID_STREAM, index)
+        key = stable_hash(self.seed, _TRAIN_STREAM, self.epoch, index) if self.train else stable_hash(self.seed, _VALID_STREAM, index)
         rows, cols = self.height - self.crop_size + 1, self.width - self.crop_size + 1
         return key % rows, _splitmix64(key) % cols
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from utils.checkpoint import CheckpointError, capture_rng_state, restore_rng_state, strip_wrapper_prefixes
 from utils.config import Config, ConfigError
-from utils.data import DataError
+from utils.data import STEP_STREAM, DataError, stable_hash
 from utils.distributed import DistEnv, device_for
 from utils.metrics import RMSEAccumulator, bicubic_upsample
 
@@ -48,6 +48,16 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def seed_step(seed: int, step: int, rank: int = 0) -> None:
+    """Seed the random draws of one training step (stochastic depth, dropout) from (seed, step, rank).
+
+    Each rank draws its own masks, as the samples of one device's batch do: with one seed for all
+    ranks, sample i of every rank would drop the same blocks. And a resumed run repeats the draws
+    of the uninterrupted one by construction, whatever the number of ranks before and after.
+    """
+    torch.manual_seed(stable_hash(seed, STEP_STREAM, step, rank))
 
 
 def configure_backends(cfg: Config) -> None:
