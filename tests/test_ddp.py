@@ -60,6 +60,15 @@ def test_two_ranks_equal_one_device(tiny_data, tmp_path):
     assert val_ddp["bicubic_rmse"] == pytest.approx(val_single["bicubic_rmse"], rel=1e-6)
 
 
+def test_compiled_blocks_under_ddp_equal_one_eager_device(tiny_data, tmp_path):
+    # The order apply_ac -> apply_compile -> apply_ddp, with inductor on 2 CPU ranks.
+    single, compiled = tmp_path / "single", tmp_path / "compiled"
+    run_script("train.py", *tiny_args(tiny_data, single, "--max_steps", "3"))
+    run_script("train_ddp.py", *tiny_args(tiny_data, compiled, "--max_steps", "3", "--compile", "true"),
+               launcher=TORCHRUN)
+    assert_same_weights(final_weights(single), final_weights(compiled))
+
+
 def test_no_ddp_really_skips_the_all_reduce(tiny_data, tmp_path):
     # Without gradient averaging each rank steps on its own half-batch: weights must differ from one device.
     single, no_ddp = tmp_path / "single", tmp_path / "no_ddp"

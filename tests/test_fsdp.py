@@ -69,6 +69,14 @@ def test_two_ranks_equal_one_process(runs):
     assert memory["total_mb"] == pytest.approx(memory["params_mb"] * 4)
 
 
+def test_compiled_blocks_under_fsdp_equal_one_eager_process(runs, tiny_data, tmp_path):
+    # The order apply_ac -> apply_compile -> apply_fsdp, with inductor on 2 CPU ranks.
+    compiled = tmp_path / "compiled"
+    run_script("train_fsdp.py", *tiny_args(tiny_data, compiled, *STEPS[2:], "--max_steps", "3", "--compile", "true"),
+               launcher=TORCHRUN)
+    assert_same_weights(exported(compiled, 3)["model"], plain_weights(runs["single"], 3))
+
+
 def test_export_loads_into_the_plain_model_and_train_py_state(runs, tiny_data):
     from models import build_model
     from utils.training import build_optimizer, make_grad_scaler, restore_payload
