@@ -3,8 +3,10 @@
     python benchmarks/bench_ddp_overhead.py --nproc 2 -- --config quickstart --max_steps 40
     python benchmarks/bench_ddp_overhead.py --nproc 4 -- --config baseline --max_steps 60   # one GPU node
 
-Arguments after `--` go to train_ddp.py. Each variant runs once under torchrun; the figure is the
-median of the logged samples/s after the first log window (start-up and warm-up excluded).
+Arguments after `--` go to train_ddp.py. The two variants run alternately, `--repeats` times each,
+under torchrun (so that a machine that speeds up or slows down during the benchmark affects both);
+each run's figure is the median of its logged samples/s after the first log window (start-up and
+warm-up excluded), and each variant's figure the median over its runs.
 `no_ddp` skips the all-reduce (ranks drift apart), so its speed is the compute-only bound.
 """
 
@@ -35,16 +37,25 @@ def samples_per_sec(nproc: int, train_args: list[str], no_ddp: bool) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2, help="processes (GPUs) per node")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each variant, alternating")
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then train_ddp.py arguments")
     args = parser.parse_args()
     train_args = [a for a in args.train_args if a != "--"] or ["--config", "quickstart", "--max_steps", "40"]
-    with_ddp = samples_per_sec(args.nproc, train_args, no_ddp=False)
-    without = samples_per_sec(args.nproc, train_args, no_ddp=True)
-    print(f"{'variant':<10}{'samples/s':>12}")
-    print(f"{'ddp':<10}{with_ddp:>12.2f}")
-    print(f"{'no_ddp':<10}{without:>12.2f}")
-    print(f"DDP overhead: {100 * (without / with_ddp - 1):.1f}% more time per step than without all-reduce "
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    runs = {False: [], True: []}
+    for _ in range(args.repeats):
+        for no_ddp in (False, True):
+            runs[no_ddp].append(samples_per_sec(args.nproc, train_args, no_ddp))
+    with_ddp, without = statistics.median(runs[False]), statistics.median(runs[True])
+    print(f"{'variant':<10}{'samples/s':>12}   runs")
+    for name, no_ddp, rate in (("ddp", False, with_ddp), ("no_ddp", True, without)):
+        print(f"{name:<10}{rate:>12.2f}   " + " ".join(f"{r:.2f}" for r in runs[no_ddp]))
+    print(f"DDP overhead: {100 * (without / with_ddp - 1):+.1f}% time per step with the all-reduce than without "
           f"({args.nproc} processes, {' '.join(train_args)})")
+    spread = max(max(r) / min(r) - 1 for r in runs.values())
+    if args.repeats > 1 and abs(without / with_ddp - 1) < spread:
+        print(f"  below this machine's noise: runs of the same variant differ by up to {100 * spread:.0f}%")
     print(json.dumps({"ddp_samples_per_sec": with_ddp, "no_ddp_samples_per_sec": without,
                       "overhead": without / with_ddp - 1}))
 

@@ -107,6 +107,18 @@ def test_resume_with_stochastic_depth_on_two_ranks_is_exact(tiny_data, tmp_path)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ"
 
 
+def test_overhead_benchmark_prints_both_variants(tiny_data, tmp_path):
+    import json
+
+    train_args = tiny_args(tiny_data, tmp_path / "unused", "--max_steps", "6", "--log_every", "2")
+    at = train_args.index("--run_dir")
+    del train_args[at:at + 2]  # the benchmark gives each run its own temporary run_dir
+    proc = run_script("benchmarks/bench_ddp_overhead.py", "--nproc", "2", "--repeats", "1", "--", *train_args)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["ddp_samples_per_sec"] > 0 and result["no_ddp_samples_per_sec"] > 0
+    assert result["overhead"] == pytest.approx(result["no_ddp_samples_per_sec"] / result["ddp_samples_per_sec"] - 1)
+
+
 def test_one_rank_dying_ends_the_job_quickly(tiny_data, tmp_path):
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
