@@ -55,7 +55,7 @@ def seed_step(seed: int, step: int, rank: int = 0) -> None:
 
     Each rank draws its own masks, as the samples of one device's batch do: with one seed for all
     ranks, sample i of every rank would drop the same blocks. And a resumed run repeats the draws
-    of the uninterrupted one by construction, whatever the number of ranks before and after.
+    of the uninterrupted one by construction, with no per-rank RNG state in the checkpoint.
     """
     torch.manual_seed(stable_hash(seed, STEP_STREAM, step, rank))
 
