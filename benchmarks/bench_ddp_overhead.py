@@ -11,6 +11,7 @@ warm-up excluded), and each variant's figure the median over its runs.
 """
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -21,8 +22,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def samples_per_sec(nproc: int, train_args: list[str], no_ddp: bool) -> float:
-    with tempfile.TemporaryDirectory() as run_dir:
+def samples_per_sec(nproc: int, train_args: list[str], no_ddp: bool, keep_in: Path | None = None) -> float:
+    """One torchrun run's median samples/s; its outputs go to a temporary folder, or stay in ``keep_in``."""
+    with contextlib.nullcontext(keep_in) if keep_in else tempfile.TemporaryDirectory() as run_dir:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                "train_ddp.py", *train_args, "--run_dir", run_dir, "--no_ddp", str(no_ddp).lower(),
                "--progress", "never", "--val_every", "0", "--ckpt_every", "0"]

@@ -1,11 +1,13 @@
 """Shared fixtures: a tiny synthetic data set and a runner for the project's scripts."""
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -31,6 +33,37 @@ def tiny_args(data_dir: Path, run_dir: Path, *extra: str) -> list[str]:
     return ["--config", "quickstart", "--data_dir", str(data_dir), "--run_dir", str(run_dir),
             "--crop_size", "32", "--n_patches", "2", "--batch_size", "4", "--num_workers", "0",
             "--val_samples", "4", "--log_every", "2", "--progress", "never", *TINY_MODEL, *extra]
+
+
+# 10 steps cross the epoch boundary (2 files x 8 days x 2 patches / batch 4 = 8 steps per epoch), with
+# validations at steps 5 and 10 and checkpoints at steps 3, 6, 8 (end of epoch), 9 and 10.
+REFERENCE_STEPS = ("--max_steps", "10", "--log_every", "1", "--val_every", "5", "--ckpt_every", "3",
+                   "--keep_checkpoints", "10")
+
+
+@pytest.fixture(scope="session")
+def reference_run(tiny_data, tmp_path_factory) -> Path:
+    """One train.py run with REFERENCE_STEPS, shared by every test that compares another script or a
+    resumed run with plain single-device training (each launch costs seconds of start-up)."""
+    run = tmp_path_factory.mktemp("reference") / "run"
+    run_script("train.py", *tiny_args(tiny_data, run, *REFERENCE_STEPS))
+    return run
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_weights(run_dir: Path) -> dict:
+    """The model weights in a run's latest single-file checkpoint (train.py, train_ddp.py)."""
+    latest = sorted((run_dir / "checkpoints").glob("step_*.pt"))[-1]
+    return torch.load(latest, map_location="cpu", weights_only=True)["model"]
+
+
+def weights_at(run_dir: Path, step: int) -> dict:
+    """The model weights in the single-file checkpoint of ``step`` (train.py, train_ddp.py)."""
+    path = run_dir / "checkpoints" / f"step_{step:08d}.pt"
+    return torch.load(path, map_location="cpu", weights_only=True)["model"]
 
 
 def run_script(*args: str, timeout: float = 240, env_extra: dict | None = None, check: bool = True,

@@ -52,8 +52,6 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch, failing
     save_checkpoint(directory, 1, small_state(1.0))
 
     if failing == "torch.save":
-        real_save = torch.save
-
         def crashing_save(obj, stream, *args, **kwargs):
             stream.write(b"PK\x03\x04 half a zip file")  # some bytes reach the disk before the crash
             raise OSError(28, "No space left on device")

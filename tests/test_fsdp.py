@@ -1,6 +1,6 @@
 """train_fsdp.py and utils/fsdp.py on CPU (gloo): equals one process, bf16 policy, HSDP, DCP checkpoints.
 
-Few launches (torchrun start-up dominates): one train.py reference and one 2-rank FSDP run shared by
+Few launches (torchrun start-up dominates): the session's train.py reference and one 2-rank FSDP run shared by
 several tests; resumes start from copies of the FSDP run's checkpoints. The rest runs in-process on
 a one-rank process group.
 """
@@ -11,14 +11,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conftest import TINY_MODEL, run_script, tiny_args
-from tests.test_ddp import TORCHRUN, assert_same_weights, train_losses
-from tests.test_train import read_metrics
+from tests.conftest import TINY_MODEL, read_metrics, run_script, tiny_args, weights_at
+from tests.test_ddp import TORCHRUN, assert_same_weights, launch_beside_reference, train_losses
 from utils.checkpoint import CheckpointError
 from utils.config import ConfigError, build_config
 
 TORCHRUN_4 = [*TORCHRUN[:-1], "4"]
-STEPS = ("--max_steps", "10", "--log_every", "1", "--ckpt_every", "3", "--keep_checkpoints", "10")
 
 
 def ckpt(run_dir, step: int):
@@ -35,10 +33,6 @@ def exported(run_dir, step: int) -> dict:
     return torch.load(out, map_location="cpu", weights_only=True)
 
 
-def plain_weights(run_dir, step: int) -> dict:
-    return torch.load(run_dir / "checkpoints" / f"step_{step:08d}.pt", map_location="cpu", weights_only=True)["model"]
-
-
 def resume_from(source, step: int, run_dir):
     """A run folder whose only checkpoint is a copy of ``source``'s at ``step``."""
     shutil.copytree(ckpt(source, step), ckpt(run_dir, step))
@@ -46,35 +40,22 @@ def resume_from(source, step: int, run_dir):
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_data, tmp_path_factory):
-    """train.py and 2-rank train_fsdp.py, fp32, same global batch: 10 steps across an epoch boundary."""
-    root = tmp_path_factory.mktemp("fsdp_runs")
-    single, fsdp = root / "single", root / "fsdp"
-    run_script("train.py", *tiny_args(tiny_data, single, *STEPS))
-    proc = run_script("train_fsdp.py", *tiny_args(tiny_data, fsdp, *STEPS), launcher=TORCHRUN)
-    return {"single": single, "fsdp": fsdp, "stdout": proc.stdout}
+def runs(tiny_data, reference_run, tmp_path_factory):
+    """2-rank train_fsdp.py in fp32 beside train.py, across an epoch boundary."""
+    return launch_beside_reference("train_fsdp.py", "fsdp", tiny_data, reference_run, tmp_path_factory)
 
 
 def test_two_ranks_equal_one_process(runs):
     single, fsdp = runs["single"], runs["fsdp"]
-    assert "world_size=2 nodes=1 backend=gloo" in runs["stdout"]
     torch.testing.assert_close(train_losses(fsdp), train_losses(single), rtol=1e-4, atol=1e-5)
     for step in (3, 10):
-        assert_same_weights(exported(fsdp, step)["model"], plain_weights(single, step))
+        assert_same_weights(exported(fsdp, step)["model"], weights_at(single, step))
     val_single, val_fsdp = (next(r for r in read_metrics(run) if r["kind"] == "val") for run in (single, fsdp))
     torch.testing.assert_close(val_fsdp["rmse"], val_single["rmse"], rtol=1e-4, atol=1e-5)
     # Each rank holds half of parameters + gradients + AdamW state; DDP would hold all of it.
     memory = next(r for r in read_metrics(fsdp) if r["kind"] == "memory")
     assert memory["shards"] == 2 and memory["vs_ddp"] == pytest.approx(0.5, abs=0.01)
     assert memory["total_mb"] == pytest.approx(memory["params_mb"] * 4)
-
-
-def test_compiled_blocks_under_fsdp_equal_one_eager_process(runs, tiny_data, tmp_path):
-    # The order apply_ac -> apply_compile -> apply_fsdp, with inductor on 2 CPU ranks.
-    compiled = tmp_path / "compiled"
-    run_script("train_fsdp.py", *tiny_args(tiny_data, compiled, *STEPS[2:], "--max_steps", "3", "--compile", "true"),
-               launcher=TORCHRUN)
-    assert_same_weights(exported(compiled, 3)["model"], plain_weights(runs["single"], 3))
 
 
 def test_export_loads_into_the_plain_model_and_train_py_state(runs, tiny_data):
@@ -112,14 +93,17 @@ def test_resume_on_two_ranks_is_exact(runs, tiny_data, tmp_path):
     assert train_losses(resumed) == train_losses(fsdp)[3:6]
 
 
-def test_hsdp_2x2_with_ac_resumes_a_2_rank_checkpoint(runs, tiny_data, tmp_path):
-    # 4 ranks as 2 replicas x 2 shards, from the 2-rank FSDP checkpoint (DCP reshards), with activation
-    # checkpointing on the same blocks that are sharded: still train.py's trajectory.
+def test_hsdp_2x2_with_ac_and_compile_resumes_a_2_rank_checkpoint(runs, tiny_data, tmp_path):
+    # 4 ranks as 2 replicas x 2 shards, from the 2-rank FSDP checkpoint (DCP reshards), in the order
+    # apply_ac -> apply_compile -> apply_fsdp on the same blocks: still train.py's trajectory. The
+    # aot_eager backend traces the same graphs (dynamo and AOT autograd around FSDP2's hooks) without
+    # generating kernels, which would double this test's time; test_ddp.py runs inductor.
     hsdp = resume_from(runs["fsdp"], 3, tmp_path / "hsdp")
     run_script("train_fsdp.py", *tiny_args(tiny_data, hsdp, "--max_steps", "6", "--log_every", "1",
-                                           "--hsdp_replicas", "2", "--ac", "block", "--resume"),
+                                           "--hsdp_replicas", "2", "--ac", "block", "--resume",
+                                           "--compile", "true", "--compile_backend", "aot_eager"),
                launcher=TORCHRUN_4)
-    assert_same_weights(exported(hsdp, 6)["model"], plain_weights(runs["single"], 6))
+    assert_same_weights(exported(hsdp, 6)["model"], weights_at(runs["single"], 6))
     torch.testing.assert_close(train_losses(hsdp), train_losses(runs["single"])[3:6], rtol=1e-4, atol=1e-5)
     memory = next(r for r in read_metrics(hsdp) if r["kind"] == "memory")
     assert (memory["ranks"], memory["shards"]) == (4, 2) and memory["vs_ddp"] == pytest.approx(0.5, abs=0.01)

@@ -8,21 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run_script, tiny_args
+from tests.conftest import REFERENCE_STEPS, final_weights, read_metrics, run_script, tiny_args
+from tests.test_train import expect_error_in_process
 from utils import profiling
 from utils.config import ConfigError, build_config
 from utils.profiling import RANGES
 
 PROFILE_STEPS = ("--profile_wait", "1", "--profile_warmup", "1", "--profile_active", "2")
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def final_weights(run_dir: Path) -> dict:
-    latest = sorted((run_dir / "checkpoints").glob("step_*.pt"))[-1]
-    return torch.load(latest, map_location="cpu", weights_only=False)["model"]
 
 
 def test_profiled_run_writes_trace_timeline_summary_and_breakdown(tiny_data, tmp_path):
@@ -66,35 +58,33 @@ def test_profiled_run_writes_trace_timeline_summary_and_breakdown(tiny_data, tmp
     assert len(throughput) == 1 and throughput[0]["full_samples_per_sec"] == pytest.approx(rows["FULL"], rel=1e-3)
 
 
-def test_profiling_off_is_train_py(tiny_data, tmp_path):
-    common = ("--max_steps", "4", "--val_every", "2")
-    run_script("train.py", *tiny_args(tiny_data, tmp_path / "plain", *common))
-    proc = run_script("train_with_profiling.py", *tiny_args(tiny_data, tmp_path / "off", *common))
+def test_profiling_off_is_train_py(tiny_data, reference_run, tmp_path):
+    plain, off = reference_run, tmp_path / "off"
+    proc = run_script("train_with_profiling.py", *tiny_args(tiny_data, off, *REFERENCE_STEPS))
 
     def comparable(records):  # everything but the clock
         return [{k: v for k, v in r.items() if k not in ("time", "samples_per_sec", "mfu", "peak_mem_gb")}
                 for r in records]
 
-    assert comparable(read_metrics(tmp_path / "off")) == comparable(read_metrics(tmp_path / "plain"))
-    plain, off = final_weights(tmp_path / "plain"), final_weights(tmp_path / "off")
-    assert plain.keys() == off.keys()
-    for key in plain:
-        torch.testing.assert_close(off[key], plain[key], rtol=0, atol=0, msg=key)
+    assert comparable(read_metrics(off)) == comparable(read_metrics(plain))
+    plain_weights, off_weights = final_weights(plain), final_weights(off)
+    assert plain_weights.keys() == off_weights.keys()
+    for key in plain_weights:
+        torch.testing.assert_close(off_weights[key], plain_weights[key], rtol=0, atol=0, msg=key)
 
     def files(run):
         return sorted(str(p.relative_to(run)) for p in run.rglob("*") if "tfevents" not in p.name)
 
-    assert files(tmp_path / "off") == files(tmp_path / "plain")
-    assert not (tmp_path / "off" / "profile").exists()
+    assert files(off) == files(plain)
+    assert not (off / "profile").exists()
     assert "profile" not in proc.stdout and "throughput" not in proc.stdout
 
 
-def test_bad_profile_value_stops_with_one_line(tiny_data, tmp_path):
-    proc = run_script("train_with_profiling.py", *tiny_args(tiny_data, tmp_path / "run", "--profile_active", "0"),
-                      check=False)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1] == "error: profile_active must be >= 1 (steps recorded), got 0"
-    assert "Traceback" not in proc.stderr
+def test_bad_profile_value_stops_with_one_line(tiny_data, tmp_path, capsys):
+    last = expect_error_in_process(capsys, *tiny_args(tiny_data, tmp_path / "run", "--profile_active", "0"),
+                                   script="train_with_profiling.py")
+    assert last == "error: profile_active must be >= 1 (steps recorded), got 0"
+    assert not (tmp_path / "run").exists()
 
 
 def profile_config(tmp_path, **overrides):

@@ -124,7 +124,9 @@ class TrainConfig:
     ac: Literal["none", "block", "layer"] = "none"
     """Activation checkpointing per Swin block or per RSTB (layer)."""
     compile: bool = False
-    """torch.compile the model."""
+    """torch.compile each Swin block."""
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    """torch.compile backend: inductor generates kernels; aot_eager and eager only trace (for debugging)."""
     tf32: bool = True
     """Allow TF32 matmuls/convolutions on CUDA (no effect on CPU)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
