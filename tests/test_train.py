@@ -71,8 +71,9 @@ def expect_error(*args, code=2, match=""):
 
 
 def expect_error_in_process(capsys, *args, code=2, match="", script="train.py"):
-    """The same through the script's main() in this process: the failures tested this way happen
-    before or without anything process-wide, and this saves the interpreter's start-up (seconds)."""
+    """The same through the script's main() in this process, which saves the interpreter's start-up
+    (seconds). Only for failures that leave nothing later tests depend on: main() at most seeds the
+    global RNGs and trains a few steps before it stops."""
     module = importlib.import_module(script.removesuffix(".py"))
     with mock.patch.object(sys, "argv", [script, *args]), pytest.raises(SystemExit) as exit_:
         run_cli(module.main)
