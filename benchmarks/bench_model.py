@@ -12,6 +12,11 @@ FLOP/s measured right after it), so a slow moment of a shared machine affects bo
     python benchmarks/bench_model.py                       # tutorial model, LR 64x64, batch 1
     python benchmarks/bench_model.py --dtype bf16          # under bf16 autocast, vs the bf16 peak
     python benchmarks/bench_model.py --config quickstart --size 16 --steps 1 --warmup 1   # tiny
+    python benchmarks/bench_model.py --breakdown           # + time per FLOP-counted op, and the ceiling
+
+--breakdown profiles a few more steps and splits the step time between the ops that FlopCounterMode
+counts (matmuls, convolutions, attention) and everything else. Its "ceiling" is the fraction of
+peak the step would reach if everything else took no time.
 
 The last line printed is one JSON object (sec_per_step, flops_per_step, matmul_peak_flops,
 fraction_of_peak, and more).
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -51,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="override the config's stochastic depth rate (default: keep it)")
     parser.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA (peak and step alike)")
     parser.add_argument("--peak_seconds", type=float, default=0.3, help="time spent per matmul size for the peak")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="profile 3 more steps: time per FLOP-counted op and the fraction's ceiling")
     args = parser.parse_args(argv)
     for name in ("size", "batch_size", "steps"):
         if getattr(args, name) < 1:
@@ -73,6 +81,58 @@ def supports_bf16_matmul(device: torch.device) -> bool:
         return torch.cuda.is_bf16_supported()
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     return any(flag in flags for flag in ("avx512_bf16", "amx_bf16"))
+
+
+def cpu_description() -> str:
+    """'AMD EPYC (family 25, model 1, AVX2)': the same model name can hide CPUs of different speed."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    fields = dict(re.findall(r"^(model name|cpu family|model|flags)\s*:\s*(.*)$", info, re.MULTILINE))
+    flags = set(fields.get("flags", "").split())
+    isa = next((name for flag, name in (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
+                if flag in flags), "no AVX2")
+    if "model name" not in fields:
+        return "cpu"
+    return f"{fields['model name']} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')}, {isa})"
+
+
+def seconds_in_ops(step, op_names, device: torch.device, steps: int = 3) -> dict[str, float]:
+    """Seconds per step spent in each named aten op (with what it calls), from torch.profiler.
+
+    CPU: wall time inside the op; CUDA: time of the kernels it launched.
+    """
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        synchronize(device)
+    events = {event.key: event for event in prof.key_averages()}
+    seconds = {}
+    for name in op_names:
+        event = events.get(name.replace(".", "::", 1))  # FlopCounterMode's "aten.mm" is the profiler's "aten::mm"
+        micros = 0.0 if event is None else event.device_time_total if device.type == "cuda" else event.cpu_time_total
+        seconds[name] = micros / 1e6 / steps
+    return seconds
+
+
+def print_breakdown(flops_by_op: dict[str, int], seconds_by_op: dict[str, float], sec_per_step: float,
+                    peak_flops: float) -> float:
+    """Table of FLOPs, time and rate per op; returns the ceiling (the fraction without other work)."""
+    print("where a step's time goes (torch.profiler over 3 more steps; an op's time includes what it calls):")
+    print(f"  {'op':28s} {'GFLOP':>8s} {'s/step':>8s} {'GFLOP/s':>8s} {'of peak':>8s}")
+    for name in sorted(flops_by_op, key=lambda op: -seconds_by_op[op]):
+        flops, seconds = flops_by_op[name], seconds_by_op[name]
+        rate = flops / seconds if seconds else float("nan")
+        print(f"  {name:28s} {flops / 1e9:8.1f} {seconds:8.3f} {rate / 1e9:8.1f} {rate / peak_flops:8.2f}")
+    counted = sum(seconds_by_op.values())
+    total_flops = sum(flops_by_op.values())
+    print(f"  {'all FLOP-counted ops':28s} {total_flops / 1e9:8.1f} {counted:8.3f} {total_flops / counted / 1e9:8.1f} "
+          f"{total_flops / counted / peak_flops:8.2f}")
+    print(f"  {'everything else':28s} {'':8s} {sec_per_step - counted:8.3f}   (median step time minus the above)")
+    ceiling = total_flops / counted / peak_flops
+    print(f"ceiling: fraction_of_peak would be {ceiling:.3f} if everything else took no time")
+    return ceiling
 
 
 def matmul_rate(device: torch.device, dtype: torch.dtype, n: int, min_seconds: float) -> float:
@@ -140,6 +200,7 @@ def main(argv=None) -> int:
         forward_backward()
     optimizer.zero_grad(set_to_none=True)
     flops_per_step = counter.get_total_flops()
+    flops_by_op = {str(op): flops for op, flops in counter.get_flop_counts()["Global"].items()}
 
     for _ in range(args.warmup):
         step()
@@ -162,7 +223,7 @@ def main(argv=None) -> int:
         bf16_peak = matmul_peak(device, torch.bfloat16, args.peak_seconds)[0] if supports_bf16_matmul(device) else None
 
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_description()
     print(f"device: {name}{threads}; torch {torch.__version__}")
     print(f"model: config {args.config!r}, {count_parameters(model):,} parameters, "
           f"drop_path_rate {cfg.model.drop_path_rate}; LR {args.size}x{args.size}, batch {args.batch_size}, {args.dtype}")
@@ -173,11 +234,16 @@ def main(argv=None) -> int:
     print(f"samples per second: {args.batch_size / sec_per_step:.2f}")
     print(f"achieved: {flops_per_step / sec_per_step / 1e9:.1f} GFLOP/s; {fraction:.3f} of the {args.dtype} matmul peak "
           "(median over steps of step FLOP/s / the matmul FLOP/s measured right after it)")
+    ceiling, seconds_by_op = None, None
+    if args.breakdown:
+        seconds_by_op = seconds_in_ops(step, flops_by_op, device)
+        ceiling = print_breakdown(flops_by_op, seconds_by_op, sec_per_step, peak_flops)
     print(json.dumps({
         "sec_per_step": sec_per_step, "flops_per_step": flops_per_step, "matmul_peak_flops": peak_flops,
         "fraction_of_peak": fraction, "sec_per_step_min": min(times), "samples_per_sec": args.batch_size / sec_per_step,
         "bf16_matmul_peak_flops": bf16_peak, "dtype": args.dtype, "device": name,
         "batch_size": args.batch_size, "size": args.size, "config": args.config,
+        "fraction_ceiling": ceiling, "flops_by_op": flops_by_op, "seconds_by_op": seconds_by_op,
     }))
     return 0
 

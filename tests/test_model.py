@@ -340,3 +340,30 @@ def test_benchmark_runs_tiny(capsys):
     assert result["flops_per_step"] > 0 and result["sec_per_step"] > 0 and 0 < result["fraction_of_peak"]
     assert main(["--config", "no_such_config", "--steps", "1"]) == 2
     assert "unknown config" in capsys.readouterr().err
+
+
+def test_benchmark_breakdown_finds_every_counted_op_in_the_profile(capsys):
+    from benchmarks.bench_model import main
+
+    assert main(["--config", "quickstart", "--size", "16", "--steps", "1", "--warmup", "0",
+                 "--peak_seconds", "0.01", "--breakdown"]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    counted = result["flops_by_op"]
+    assert {"aten.mm", "aten.addmm", "aten.bmm", "aten.convolution", "aten.convolution_backward"} <= set(counted)
+    assert sum(counted.values()) == result["flops_per_step"]
+    # FlopCounterMode's "aten.mm" must be found as the profiler's "aten::mm": no op without time.
+    assert set(result["seconds_by_op"]) == set(counted) and min(result["seconds_by_op"].values()) > 0
+    assert result["fraction_ceiling"] > 0 and "ceiling: fraction_of_peak would be" in out
+
+
+def test_benchmark_breakdown_table_and_ceiling(capsys):
+    from benchmarks.bench_model import print_breakdown
+
+    ceiling = print_breakdown({"aten.mm": 2e9, "aten.bmm": 1e9}, {"aten.mm": 0.01, "aten.bmm": 0.02},
+                              sec_per_step=0.05, peak_flops=2e11)
+    assert ceiling == pytest.approx(0.5)  # 3 GFLOP in 0.03 s = 100 GFLOP/s of 200
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].split() == ["aten.bmm", "1.0", "0.020", "50.0", "0.25"]  # slowest first
+    assert lines[3].split() == ["aten.mm", "2.0", "0.010", "200.0", "1.00"]
+    assert lines[5].split()[:3] == ["everything", "else", "0.020"]
