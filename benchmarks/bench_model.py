@@ -117,8 +117,11 @@ def seconds_in_ops(step, op_names, device: torch.device, steps: int = 3) -> dict
 
 
 def print_breakdown(flops_by_op: dict[str, int], seconds_by_op: dict[str, float], sec_per_step: float,
-                    peak_flops: float) -> float:
+                    peak_flops: float) -> float | None:
     """Table of FLOPs, time and rate per op; returns the ceiling (the fraction without other work)."""
+    if not sum(seconds_by_op.values()):  # e.g. CUDA without CUPTI: the profiler saw no kernel time
+        print("breakdown: the profiler recorded no time in the FLOP-counted ops; no ceiling")
+        return None
     print("where a step's time goes (torch.profiler over 3 more steps; an op's time includes what it calls):")
     print(f"  {'op':28s} {'GFLOP':>8s} {'s/step':>8s} {'GFLOP/s':>8s} {'of peak':>8s}")
     for name in sorted(flops_by_op, key=lambda op: -seconds_by_op[op]):

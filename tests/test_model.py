@@ -367,3 +367,5 @@ def test_benchmark_breakdown_table_and_ceiling(capsys):
     assert lines[2].split() == ["aten.bmm", "1.0", "0.020", "50.0", "0.25"]  # slowest first
     assert lines[3].split() == ["aten.mm", "2.0", "0.010", "200.0", "1.00"]
     assert lines[5].split()[:3] == ["everything", "else", "0.020"]
+    assert print_breakdown({"aten.mm": 2e9}, {"aten.mm": 0.0}, sec_per_step=0.05, peak_flops=2e11) is None
+    assert "no time" in capsys.readouterr().out
