@@ -2,15 +2,16 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from utils.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
 
 # A SwinIR small enough to train a few steps in seconds on 2 cores; tests add it to script calls.
 TINY_MODEL = ["--depths", "[2]", "--num_heads", "[2]", "--embed_dim", "16", "--img_size", "16",
@@ -56,14 +57,24 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def final_weights(run_dir: Path) -> dict:
     """The model weights in a run's latest single-file checkpoint (train.py, train_ddp.py)."""
-    latest = sorted((run_dir / "checkpoints").glob("step_*.pt"))[-1]
-    return torch.load(latest, map_location="cpu", weights_only=True)["model"]
+    return load_checkpoint(latest_checkpoint(run_dir / "checkpoints"))["model"]
 
 
 def weights_at(run_dir: Path, step: int) -> dict:
     """The model weights in the single-file checkpoint of ``step`` (train.py, train_ddp.py)."""
-    path = run_dir / "checkpoints" / f"step_{step:08d}.pt"
-    return torch.load(path, map_location="cpu", weights_only=True)["model"]
+    return load_checkpoint(run_dir / "checkpoints" / f"step_{step:08d}.pt")["model"]
+
+
+def resume_from(source: Path, step: int, run_dir: Path) -> Path:
+    """A run folder whose only checkpoint is a copy of ``source``'s at ``step``: a train.py/train_ddp.py
+    file (step_N.pt) or a train_fsdp.py DCP folder (step_N)."""
+    name = f"step_{step:08d}"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    if (source / "checkpoints" / f"{name}.pt").exists():
+        shutil.copyfile(source / "checkpoints" / f"{name}.pt", run_dir / "checkpoints" / f"{name}.pt")
+    else:
+        shutil.copytree(source / "checkpoints" / name, run_dir / "checkpoints" / name)
+    return run_dir
 
 
 def run_script(*args: str, timeout: float = 240, env_extra: dict | None = None, check: bool = True,

@@ -2,7 +2,6 @@
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import REFERENCE_STEPS as STEPS
-from tests.conftest import REPO, final_weights, read_metrics, run_script, tiny_args, weights_at
+from tests.conftest import REPO, final_weights, read_metrics, resume_from, run_script, tiny_args, weights_at
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
@@ -44,14 +43,6 @@ def test_ranks_see_disjoint_samples_that_change_every_epoch(tiny_data):
         r0, r1 = rank_indices(cfg, 0, 2, epoch), rank_indices(cfg, 1, 2, epoch)
         assert r0 and r1 and not set(r0) & set(r1), f"ranks overlap in epoch {epoch}"
     assert rank_indices(cfg, 0, 2, 0) != rank_indices(cfg, 0, 2, 1), "same order every epoch: set_epoch ignored"
-
-
-def resume_from(source, step: int, run_dir):
-    """A run folder whose only checkpoint is a copy of ``source``'s at ``step``."""
-    (run_dir / "checkpoints").mkdir(parents=True)
-    name = f"step_{step:08d}.pt"
-    shutil.copyfile(source / "checkpoints" / name, run_dir / "checkpoints" / name)
-    return run_dir
 
 
 def launch_beside_reference(script: str, name: str, tiny_data, reference_run, tmp_path_factory) -> dict:

@@ -5,13 +5,12 @@ several tests; resumes start from copies of the FSDP run's checkpoints. The rest
 a one-rank process group.
 """
 
-import shutil
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conftest import TINY_MODEL, read_metrics, run_script, tiny_args, weights_at
+from tests.conftest import TINY_MODEL, read_metrics, resume_from, run_script, tiny_args, weights_at
 from tests.test_ddp import TORCHRUN, assert_same_weights, launch_beside_reference, train_losses
 from utils.checkpoint import CheckpointError
 from utils.config import ConfigError, build_config
@@ -31,12 +30,6 @@ def exported(run_dir, step: int) -> dict:
     if not out.exists():
         export_full_state_dict(ckpt(run_dir, step), out)
     return torch.load(out, map_location="cpu", weights_only=True)
-
-
-def resume_from(source, step: int, run_dir):
-    """A run folder whose only checkpoint is a copy of ``source``'s at ``step``."""
-    shutil.copytree(ckpt(source, step), ckpt(run_dir, step))
-    return run_dir
 
 
 @pytest.fixture(scope="module")
