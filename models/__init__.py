@@ -7,19 +7,38 @@ import dataclasses
 import torch.nn as nn
 
 from .swinir import SwinIR
+from .vit import ViT
 
-__all__ = ["SwinIR", "build_model", "count_parameters"]
+__all__ = ["SwinIR", "ViT", "build_model", "count_parameters"]
+
+# Config keys (utils.config.ModelConfig) that only one model reads.
+_SWINIR_ONLY = ("patch_size",)  # SwinIR embeds single pixels
 
 
 def build_model(cfg) -> nn.Module:
-    """The model described by ``cfg`` (a ``utils.config.ModelConfig``, or a whole ``Config``)."""
+    """The model described by ``cfg`` (a ``utils.config.ModelConfig``, or a whole ``Config``).
+
+    mean/std must be set (utils.data.resolve_from_data fills them from the data's statistics).
+    """
     if not isinstance(getattr(cfg, "model", None), str):  # a whole Config: use its model section
         cfg = cfg.model
     kwargs = dataclasses.asdict(cfg)
     name = kwargs.pop("model")
-    if name != "swinir":
-        raise ValueError(f"unknown model {name!r}; available: 'swinir'")
-    return SwinIR(**kwargs)
+    if not kwargs["mean"]:
+        raise ValueError("build_model: mean/std are empty; resolve them from the data first "
+                         "(utils.data.resolve_from_data) or set them in the config")
+    size = kwargs.pop("img_size")
+    img_size = (size[0], size[0]) if len(size) == 1 else tuple(size)
+    if name == "swinir":
+        for key in _SWINIR_ONLY:
+            kwargs.pop(key)
+        return SwinIR(img_size=img_size, **kwargs)
+    if name == "vit":
+        return ViT(img_size=img_size, patch_size=kwargs["patch_size"], in_chans=kwargs["in_chans"],
+                   embed_dim=kwargs["embed_dim"], depth=kwargs["depths"][0], num_heads=kwargs["num_heads"][0],
+                   mlp_ratio=kwargs["mlp_ratio"], qkv_bias=kwargs["qkv_bias"],
+                   drop_path_rate=kwargs["drop_path_rate"], mean=kwargs["mean"], std=kwargs["std"])
+    raise ValueError(f"unknown model {name!r}; available: 'swinir', 'vit'")
 
 
 def count_parameters(model: nn.Module) -> int:

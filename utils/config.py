@@ -1,7 +1,9 @@
 """Named YAML configs -> typed dataclasses, with any key overridable on the command line.
 
-``config/swinir.yaml`` holds named configs; each is a flat mapping that may start from another
-one with YAML's merge key (``<<: *base``), as in NERSC's tutorials. A script does::
+Every ``config/*.yaml`` holds named configs (``swinir.yaml``: Part I, ``vit.yaml``: Part II); names
+are unique across the files, so ``--config NAME`` finds any of them. Each config is a flat mapping
+that may start from another one of its file with YAML's merge key (``<<: *base``), as in NERSC's
+tutorials. A script does::
 
     cfg = parse_config(description=__doc__)            # --config NAME plus --any_key VALUE
 
@@ -28,7 +30,6 @@ from typing import Any, Literal, Optional
 import yaml
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
-DEFAULT_CONFIG_FILE = CONFIG_DIR / "swinir.yaml"
 
 
 class ConfigError(ValueError):
@@ -44,7 +45,13 @@ class DataConfig:
     valid_split: str = "valid_1"
     """Folder under data_dir with the validation files."""
     task: Literal["sr", "forecast"] = "sr"
-    """sr: (low-res, high-res) pairs; forecast: (sample t, sample t+1) pairs."""
+    """sr: (low-res, high-res) pairs; forecast: (sample t, sample t+lead) pairs of one file."""
+    lead: int = 1
+    """forecast: steps between input and target (NERSC's 6-hourly data: 1 = six hours ahead)."""
+    channel_names: list[str] = field(default_factory=list)
+    """Names of the data's channels in order; empty = the files' 'channels' attribute, else channel 0, 1, ..."""
+    key_channels: list[str] = field(default_factory=list)
+    """Channels the console line and the validation picture show (all are in metrics.jsonl and TensorBoard); empty = all on the console, the first two in forecast pictures."""
     crop_size: int = 128
     """High-resolution crop side in pixels; 0 trains on whole 720x1440 fields."""
     n_patches: int = 8
@@ -59,34 +66,38 @@ class DataConfig:
     """Batches each worker loads ahead."""
     drop_last: bool = True
     """Drop the last incomplete training batch so every step has the full global batch."""
+    train_samples: int = 0
+    """Training samples used, evenly spaced over the split (0 = all; NERSC's limit_nsamples)."""
     val_samples: int = 64
-    """Validation samples evaluated at each validation (0 = the whole split)."""
+    """Validation samples evaluated at each validation, evenly spaced (0 = the whole split)."""
     val_batch_size: int = 0
     """Validation batch size per rank; 0 = the training batch size per rank."""
 
 
 @dataclass
 class ModelConfig:
-    model: Literal["swinir"] = "swinir"
-    """Architecture to build (models/__init__.py:build_model)."""
+    model: Literal["swinir", "vit"] = "swinir"
+    """Architecture to build (models/__init__.py:build_model): SwinIR (Part I) or the ViT forecaster (Part II)."""
     upscale: int = 2
-    """Super-resolution factor; the data's low-res input is the high-res field downsampled by it."""
+    """SwinIR: super-resolution factor; the data's low-res input is the high-res field downsampled by it."""
     in_chans: int = 3
-    """Input and output channels (ERA5: kinetic energy, temperature, water vapour)."""
-    img_size: int = 64
-    """Low-res training size the original SwinIR expects; any input size works."""
+    """Input and output channels; must equal the data's (SuperBench: 3, NERSC's ERA5: 20)."""
+    img_size: list[int] = field(default_factory=lambda: [64])
+    """Input size [height, width] ([S] = SxS). ViT: sizes the position embedding, inputs must have it; SwinIR: the low-res size the original expects, any input works."""
+    patch_size: int = 8
+    """ViT: side of the square patch each token embeds (tokens = height/patch x width/patch)."""
     window_size: int = 8
     """Side of the attention window in tokens."""
     img_range: float = 1.0
     """Scale of the (normalised) input, as in the original SwinIR."""
     depths: list[int] = field(default_factory=lambda: [6, 6, 6, 6, 6, 6])
-    """Swin blocks in each residual Swin transformer block (RSTB)."""
+    """Transformer blocks per stage: SwinIR, one entry per residual Swin transformer block (RSTB); ViT, one entry (its depth)."""
     embed_dim: int = 180
     """Channels of the token embedding."""
     num_heads: list[int] = field(default_factory=lambda: [6, 6, 6, 6, 6, 6])
-    """Attention heads in each RSTB."""
+    """Attention heads in each stage (one entry per entry of depths)."""
     mlp_ratio: float = 2.0
-    """Hidden width of the MLP relative to embed_dim."""
+    """Hidden width of the MLP relative to embed_dim (SwinIR 2, ViT 4)."""
     qkv_bias: bool = True
     """Bias in the query/key/value projection."""
     drop_path_rate: float = 0.1
@@ -95,10 +106,10 @@ class ModelConfig:
     """Reconstruction head; "" for no upsampling."""
     resi_connection: Literal["1conv", "3conv"] = "1conv"
     """Convolution at the end of each RSTB."""
-    mean: list[float] = field(default_factory=lambda: [6.3024, 278.3945, 18.4262])
-    """Per-channel mean subtracted inside the model (SuperBench's ERA5 values)."""
-    std: list[float] = field(default_factory=lambda: [3.7376, 21.0588, 16.4687])
-    """Per-channel std divided inside the model (SuperBench's ERA5 values)."""
+    mean: list[float] = field(default_factory=list)
+    """Per-channel mean subtracted inside the model; empty = <data_dir>/stats/global_means.npy (NERSC's layout)."""
+    std: list[float] = field(default_factory=list)
+    """Per-channel std divided inside the model; empty = <data_dir>/stats/global_stds.npy."""
 
 
 @dataclass
@@ -114,11 +125,17 @@ class TrainConfig:
     lr: float = 8e-4
     """AdamW learning rate for the global batch_size."""
     weight_decay: float = 1e-6
-    """AdamW weight decay."""
+    """AdamW weight decay (0 makes it Adam)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """Adam(W) moment decay rates (NERSC's ViT: [0.9, 0.95])."""
+    lr_schedule: Literal["exponential", "cosine"] = "exponential"
+    """exponential: lr_gamma once per epoch; cosine: from lr to 0 over all steps, per step (after warm-up)."""
     lr_gamma: float = 0.97
-    """ExponentialLR decay applied once per epoch."""
-    loss: Literal["l1", "mse"] = "l1"
-    """Training loss, in physical units."""
+    """exponential schedule: decay applied once per epoch."""
+    loss: Literal["l1", "mse", "relative_l2"] = "l1"
+    """Training loss; relative_l2 = batch mean of ||pred - target|| / ||target|| per sample (NERSC's ViT)."""
+    loss_space: Literal["physical", "normalized"] = "physical"
+    """Units the loss is computed in: physical, or normalised per channel by mean/std (each channel counts alike)."""
     amp_dtype: Literal["none", "bf16", "fp16"] = "none"
     """Autocast dtype for mixed precision (fp16 adds a GradScaler)."""
     ac: Literal["none", "block", "layer"] = "none"
@@ -264,6 +281,8 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         if isinstance(value, str):
             parsed = _parse_value(value)
             value = parsed if isinstance(parsed, list) else value.replace(",", " ").split()
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = [value]  # img_size: 64 means [64]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
         return [_coerce(key, v, args[0]) for v in value]
@@ -293,8 +312,18 @@ def _resolved_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def load_named_configs(path: Path = DEFAULT_CONFIG_FILE) -> dict[str, dict[str, Any]]:
-    """All named configs of a YAML file (names starting with '_' or 'base' anchors are kept too)."""
+def load_named_configs(path: Optional[Path] = None) -> dict[str, dict[str, Any]]:
+    """All named configs of one YAML file, or of every ``config/*.yaml`` when ``path`` is None
+    (a name defined in two files is an error)."""
+    if path is None:
+        merged: dict[str, dict[str, Any]] = {}
+        for file in sorted(CONFIG_DIR.glob("*.yaml")):
+            configs = load_named_configs(file)
+            twice = sorted(set(configs) & set(merged))
+            if twice:
+                raise ConfigError(f"config name(s) {', '.join(twice)} defined twice in {CONFIG_DIR}: rename one")
+            merged.update(configs)
+        return merged
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     with open(path) as f:
@@ -307,11 +336,13 @@ def load_named_configs(path: Path = DEFAULT_CONFIG_FILE) -> dict[str, dict[str, 
     return configs
 
 
-def build_config(name: str, overrides: Optional[dict[str, Any]] = None, path: Path = DEFAULT_CONFIG_FILE) -> Config:
-    """The named config with overrides applied, validated."""
+def build_config(name: str, overrides: Optional[dict[str, Any]] = None, path: Optional[Path] = None) -> Config:
+    """The named config (from ``path``, or any config/*.yaml) with overrides applied, validated."""
     configs = load_named_configs(path)
     if name not in configs:
-        raise ConfigError(f"unknown config {name!r} in {path.name}; valid: {', '.join(configs)}")
+        where = path.name if path else f"{CONFIG_DIR.name}/*.yaml"
+        valid = ", ".join(n for n in configs if n != "base" and not n.startswith("_"))
+        raise ConfigError(f"unknown config {name!r} in {where}; valid: {valid}")
     values = dict(configs[name])
     values.update(overrides or {})
     sections: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
@@ -330,31 +361,56 @@ def build_config(name: str, overrides: Optional[dict[str, Any]] = None, path: Pa
 
 
 def validate(cfg: Config) -> None:
-    """Value checks that types alone do not catch."""
+    """Value checks that types alone do not catch (checks against the data: utils.data.resolve_from_data)."""
     d, m, t = cfg.data, cfg.model, cfg.train
-    positive = {"batch_size": t.batch_size, "upscale": m.upscale, "window_size": m.window_size,
-                "embed_dim": m.embed_dim, "in_chans": m.in_chans, "n_patches": d.n_patches}
+    positive = {"batch_size": t.batch_size, "upscale": m.upscale, "window_size": m.window_size, "lead": d.lead,
+                "embed_dim": m.embed_dim, "in_chans": m.in_chans, "n_patches": d.n_patches, "patch_size": m.patch_size}
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key} must be > 0, got {value}")
-    for key in ("max_steps", "epochs", "log_every", "val_every", "ckpt_every", "num_workers", "val_samples", "val_batch_size", "crop_size"):
+    for key in ("max_steps", "epochs", "log_every", "val_every", "ckpt_every", "num_workers", "train_samples", "val_samples", "val_batch_size", "crop_size"):
         value = {**dataclasses.asdict(d), **dataclasses.asdict(t)}[key]
         if value < 0:
             raise ConfigError(f"{key} must be >= 0, got {value}")
     if t.max_steps == 0 and t.epochs == 0:
         raise ConfigError("set epochs > 0 or max_steps > 0")
-    if d.crop_size and d.crop_size % m.upscale:
+    if d.task == "sr" and d.crop_size and d.crop_size % m.upscale:
         raise ConfigError(f"crop_size {d.crop_size} must be divisible by upscale {m.upscale}")
+    if d.task == "forecast" and d.crop_size:
+        raise ConfigError(f"task forecast trains and validates on whole fields (latitude weights, climatology): "
+                          f"set crop_size 0, not {d.crop_size}")
     if len(m.depths) != len(m.num_heads):
         raise ConfigError(f"depths {m.depths} and num_heads {m.num_heads} must have the same length")
-    if m.embed_dim % max(m.num_heads) or any(m.embed_dim % h for h in m.num_heads):
+    if any(v <= 0 for v in m.depths + m.num_heads):
+        raise ConfigError(f"depths {m.depths} and num_heads {m.num_heads} must be > 0")
+    if any(m.embed_dim % h for h in m.num_heads):
         raise ConfigError(f"embed_dim {m.embed_dim} must be divisible by every num_heads {m.num_heads}")
-    if len(m.mean) != m.in_chans or len(m.std) != m.in_chans:
-        raise ConfigError(f"mean and std need {m.in_chans} values (in_chans)")
+    if len(m.img_size) not in (1, 2) or min(m.img_size) <= 0:
+        raise ConfigError(f"img_size must be [height, width] or [side] with positive sides, got {m.img_size}")
+    if m.model == "vit":
+        if len(m.depths) != 1:
+            raise ConfigError(f"the ViT has one stage: depths must have one entry (its depth), got {m.depths}")
+        height, width = img_hw(m)
+        if height % m.patch_size or width % m.patch_size:
+            raise ConfigError(f"img_size {height}x{width} is not divisible by patch_size {m.patch_size}: "
+                              "use a patch size that divides both sides")
+    if len(m.mean) != len(m.std) or (m.mean and len(m.mean) != m.in_chans):
+        raise ConfigError(f"mean and std need {m.in_chans} values each (in_chans), or both empty "
+                          f"(= from <data_dir>/stats); got {len(m.mean)} and {len(m.std)}")
     if any(s <= 0 for s in m.std):
         raise ConfigError(f"std must be > 0, got {m.std}")
+    if d.channel_names and len(d.channel_names) != m.in_chans:
+        raise ConfigError(f"channel_names has {len(d.channel_names)} names but in_chans is {m.in_chans}")
+    if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
+        raise ConfigError(f"betas must be two numbers in [0, 1), got {t.betas}")
     if t.lr <= 0:
         raise ConfigError(f"lr must be > 0, got {t.lr}")
+
+
+def img_hw(model_cfg: ModelConfig) -> tuple[int, int]:
+    """img_size as (height, width): [S] means S x S."""
+    size = model_cfg.img_size
+    return (size[0], size[0]) if len(size) == 1 else (size[0], size[1])
 
 
 def _parse_value(text: str) -> Any:
@@ -368,7 +424,7 @@ def _parse_value(text: str) -> Any:
 def add_config_args(parser: argparse.ArgumentParser) -> None:
     """--config NAME, --config_file PATH, and one --key per config field (documented in --help)."""
     parser.add_argument("--config", default="quickstart", help="named config in the config file (default: quickstart)")
-    parser.add_argument("--config_file", default=str(DEFAULT_CONFIG_FILE), help="YAML file with named configs")
+    parser.add_argument("--config_file", default=None, help="YAML file with named configs (default: every config/*.yaml)")
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(f"{section} (override any key of the named config)")
         docs = field_docs(cls)
@@ -382,7 +438,7 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> Config:
     overrides = {k[len("cfg__"):]: v for k, v in vars(args).items() if k.startswith("cfg__")}
-    return build_config(args.config, overrides, Path(args.config_file))
+    return build_config(args.config, overrides, Path(args.config_file) if args.config_file else None)
 
 
 class _OneLineErrorParser(argparse.ArgumentParser):

@@ -73,7 +73,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from utils.config import Config, ConfigError
+from utils.config import Config, ConfigError, img_hw
 
 GB = 1e9  # decimal gigabytes, as utils.metrics.peak_memory_gb and nvidia-smi's "GB"
 ERA5_FIELD = (720, 1440)  # SuperBench's 721 x 1440 with the last latitude row dropped
@@ -152,7 +152,8 @@ class SwinIRShape:
 
     @classmethod
     def from_config(cls, m) -> "SwinIRShape":
-        window = m.window_size if m.img_size > m.window_size else m.img_size
+        side = min(img_hw(m))
+        window = m.window_size if side > m.window_size else side
         return cls(m.in_chans, m.embed_dim, int(m.embed_dim * m.mlp_ratio), tuple(m.depths), tuple(m.num_heads),
                    window, m.window_size, m.upscale, m.upsampler, m.resi_connection, m.qkv_bias, m.drop_path_rate)
 

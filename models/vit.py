@@ -1,0 +1,159 @@
+"""The ViT weather forecaster of NERSC's "Deep Learning at Scale" tutorials (SC23-SC25, DL4SCI25).
+
+Input: the atmosphere at time t, (batch, C, H, W) in physical units; output: the same fields at
+t + lead (six hours on NERSC's data), also in physical units. The architecture, as theirs:
+
+    per-channel normalisation -> Conv2d patch embedding (kernel = stride = patch) -> + learned
+    position embedding (no class token) -> depth x pre-norm transformer block -> LayerNorm ->
+    Linear(D, C*p*p, no bias) -> unpatchify -> de-normalisation
+
+A block is ``x + proj(SDPA(q(LN(x)), k(LN(x)), v(LN(x))))`` then ``x + fc2(GELU(fc1(LN(x))))``,
+LayerNorm eps 1e-6, separate q, k and v linears with bias, MLP width 4D, no dropout. With 20
+channels, 360x720 fields and patch 8 (4050 tokens): embed 384, depth 12, 8 heads -> 23.8M
+parameters (1.56M of them the position embedding); embed 1024 -> 157.9M; embed 1536 -> 350.1M.
+
+What this module adds to theirs, without changing the arithmetic:
+  * the normalisation is inside the model (mean/std buffers, always applied in fp32, as SwinIR
+    does), so data, loss and metrics stay in physical units;
+  * a clear error when the input is not the size the position embedding was made for;
+  * attention takes its head count from the width of q (width // head_dim), so a tensor-parallel
+    plan that splits q, k, v column-wise (whole heads per rank) needs no change here;
+  * ``blocks()`` exposes the transformer blocks for activation checkpointing, torch.compile and
+    FSDP2, applied from outside (utils/techniques.py).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from timm.layers import DropPath, Mlp, trunc_normal_
+
+LAYER_NORM_EPS = 1e-6
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with separate q, k, v projections and SDPA."""
+
+    def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"embed_dim {dim} is not divisible by num_heads {num_heads}")
+        self.head_dim = dim // num_heads
+        self.q = nn.Linear(dim, dim, bias=qkv_bias)
+        self.k = nn.Linear(dim, dim, bias=qkv_bias)
+        self.v = nn.Linear(dim, dim, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, _ = x.shape
+
+        def heads(t: torch.Tensor) -> torch.Tensor:  # (B, N, h*hd) -> (B, h, N, hd); h from the width
+            return t.view(B, N, -1, self.head_dim).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)))
+        return self.proj(out.transpose(1, 2).reshape(B, N, -1))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(LN(x)), then x + MLP(LN(x))."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
+                 drop_path: float = 0.0):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=LAYER_NORM_EPS)
+        self.attn = Attention(dim, num_heads, qkv_bias)
+        self.norm2 = nn.LayerNorm(dim, eps=LAYER_NORM_EPS)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU)
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop_path(self.attn(self.norm1(x)))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+
+class ViT(nn.Module):
+    """NERSC's ViT forecaster; ``img_size`` (H, W) must be divisible by ``patch_size``."""
+
+    def __init__(self, img_size: int | Sequence[int] = (360, 720), patch_size: int = 8, in_chans: int = 20,
+                 embed_dim: int = 384, depth: int = 12, num_heads: int = 8, mlp_ratio: float = 4.0,
+                 qkv_bias: bool = True, drop_path_rate: float = 0.0,
+                 mean: Optional[Sequence[float]] = None, std: Optional[Sequence[float]] = None):
+        super().__init__()
+        height, width = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
+        if height % patch_size or width % patch_size:
+            raise ValueError(f"img_size {height}x{width} is not divisible by patch_size {patch_size}")
+        self.img_size, self.patch_size, self.in_chans = (height, width), patch_size, in_chans
+        self.grid = (height // patch_size, width // patch_size)
+        num_tokens = self.grid[0] * self.grid[1]
+
+        mean = (0.0,) * in_chans if mean is None else tuple(map(float, mean))
+        std = (1.0,) * in_chans if std is None else tuple(map(float, std))
+        if len(mean) != in_chans or len(std) != in_chans or min(std) <= 0:
+            raise ValueError(f"mean {list(mean)} and std {list(std)} need {in_chans} values (std > 0)")
+        # Constants from the config, not learned: kept out of the state_dict, rebuilt in fp32 by _apply.
+        self.mean_values, self.std_values = mean, std
+        self.register_buffer("data_mean", self._channel_constant(mean), persistent=False)
+        self.register_buffer("data_std", self._channel_constant(std), persistent=False)
+
+        self.patch_embed = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
+        self.pos_embed = nn.Parameter(torch.zeros(1, num_tokens, embed_dim))
+        drop_path = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]  # stochastic depth decay
+        self.transformer = nn.ModuleList(
+            Block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_path[i]) for i in range(depth))
+        self.norm = nn.LayerNorm(embed_dim, eps=LAYER_NORM_EPS)
+        self.head = nn.Linear(embed_dim, in_chans * patch_size**2, bias=False)
+
+        trunc_normal_(self.pos_embed, std=0.02)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            trunc_normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+    @staticmethod
+    def _channel_constant(values: Sequence[float], device=None) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device).view(1, -1, 1, 1)
+
+    def _apply(self, fn, recurse=True):
+        # model.to(bf16) must not round the physical mean/std (278.39 K -> 278.0 K); to_empty() must not lose them.
+        super()._apply(fn, recurse)
+        device = self.data_mean.device
+        self.data_mean = self._channel_constant(self.mean_values, device)
+        self.data_std = self._channel_constant(self.std_values, device)
+        return self
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set[str]:
+        return {"pos_embed"}
+
+    def blocks(self) -> list[nn.Module]:
+        """The transformer blocks, in order (the unit of activation checkpointing, compile and FSDP)."""
+        return list(self.transformer)
+
+    def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, tokens, p*p*C) -> (B, C, H, W); each token's vector is laid out (p, p, C)."""
+        B, p, (h, w) = x.shape[0], self.patch_size, self.grid
+        x = x.reshape(B, h, w, p, p, self.in_chans)
+        return torch.einsum("bhwpqc->bchpwq", x).reshape(B, self.in_chans, h * p, w * p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 4 or x.shape[1] != self.in_chans or tuple(x.shape[2:]) != self.img_size:
+            raise ValueError(f"this ViT takes (batch, {self.in_chans}, {self.img_size[0]}, {self.img_size[1]}) "
+                             f"(its position embedding is sized for img_size), got {tuple(x.shape)}")
+        # Normalise in fp32 (bf16 would round 278.39 K to 278.0 K), then cast to the weights' dtype.
+        out_dtype = torch.promote_types(x.dtype, torch.float32)
+        x = ((x.to(out_dtype) - self.data_mean) / self.data_std).to(self.patch_embed.weight.dtype)
+        x = self.patch_embed(x).flatten(2).transpose(1, 2) + self.pos_embed  # (B, tokens, D)
+        for block in self.transformer:
+            x = block(x)
+        x = self.unpatchify(self.head(self.norm(x))).to(out_dtype)
+        return x * self.data_std + self.data_mean
