@@ -23,13 +23,14 @@ from models import build_model
 from utils.checkpoint import (CheckpointError, ensure_writable_dir, latest_checkpoint, load_checkpoint,
                               save_checkpoint)
 from utils.config import parse_config
-from utils.data import CHANNEL_NAMES, build_loaders
+from utils.data import build_loaders
 from utils.distributed import all_reduce_max, all_reduce_mean, barrier, cleanup_distributed, init_distributed
 from utils.metrics import (MetricsLogger, device_peak_flops, mfu, peak_memory_gb, reset_peak_memory,
-                           save_sample_png, train_flops_per_sample)
+                           train_flops_per_sample)
+from utils.tasks import build_task
 from utils.techniques import apply_ac, apply_compile, apply_ddp
 from utils.training import (TrainState, autocast, build_loss, build_optimizer, check_finite, checkpoint_payload,
-                            configure_backends, evaluate, make_grad_scaler, restore_payload, run_cli,
+                            configure_backends, make_grad_scaler, restore_payload, run_cli,
                             seed_everything, seed_step, show_progress, total_steps)
 
 
@@ -43,7 +44,8 @@ def main():
     configure_backends(cfg)
 
     # ------------------------------------------------------------------------------------------- Data
-    train_loader, val_loader = build_loaders(cfg, env.rank, env.world_size)
+    train_loader, val_loader = build_loaders(cfg, env.rank, env.world_size)  # also fills in the config from the data
+    task = build_task(cfg, device)
     steps_per_epoch = len(train_loader)
     max_steps = total_steps(cfg, steps_per_epoch)
 
@@ -52,14 +54,14 @@ def main():
     model = apply_ac(raw_model, tcfg.ac)
     model = apply_compile(model, tcfg.compile, tcfg.compile_backend)
     model = apply_ddp(model, cfg, device)
-    lr_shape = tuple(val_loader.dataset[0][0].shape)
-    flops_per_sample = train_flops_per_sample(lambda: build_model(cfg.model), lr_shape)
+    input_shape = tuple(val_loader.dataset[0][0].shape)
+    flops_per_sample = train_flops_per_sample(lambda: build_model(cfg.model), input_shape)
     peak_flops = env.world_size * device_peak_flops(device, tcfg.amp_dtype)  # MFU of all devices together
 
     # -------------------------------------------------------------------------------------- Optimizer
     optimizer, scheduler = build_optimizer(model, cfg, steps_per_epoch, device)
     scaler = make_grad_scaler(device, tcfg.amp_dtype)
-    loss_fn = build_loss(tcfg.loss)
+    loss_fn = build_loss(cfg)
     state = TrainState()
     ckpt_dir = f"{tcfg.run_dir}/checkpoints"
     if tcfg.resume:
@@ -70,18 +72,18 @@ def main():
         log0(f"resumed from {latest} at step {state.step}")
     if env.is_main:
         ensure_writable_dir(tcfg.run_dir)
-    logger = MetricsLogger(tcfg.run_dir, enabled=env.is_main, console=tqdm.write, channel_names=CHANNEL_NAMES)
+    logger = MetricsLogger(tcfg.run_dir, enabled=env.is_main, console=tqdm.write, channel_names=task.channel_names,
+                           console_channels=task.key_channels)
     log0(f"world_size={env.world_size} nodes={env.num_nodes} backend={torch.distributed.get_backend()}")
     log0(f"model: {sum(p.numel() for p in raw_model.parameters()):,} parameters | device: {device} | "
           f"{steps_per_epoch} steps/epoch, {max_steps} steps | {flops_per_sample / 1e9:.1f} GFLOP/sample/step")
 
     # ------------------------------------------------------------------------------------- Validation
     def validate():
-        result = evaluate(model, val_loader, device, tcfg.amp_dtype, cfg.model.upscale, all_reduce=True)
-        logger.log({"kind": "val", "step": state.step, "epoch": state.epoch,
-                    "rmse": result.rmse, "bicubic_rmse": result.bicubic_rmse})
+        result = task.evaluate(model, val_loader, device, tcfg.amp_dtype, all_reduce=True)
+        logger.log({"kind": "val", "step": state.step, "epoch": state.epoch, **result.metrics})
         if env.is_main:
-            save_sample_png(f"{tcfg.run_dir}/samples/step_{state.step}.png", *result.sample, CHANNEL_NAMES)
+            task.save_picture(f"{tcfg.run_dir}/samples/step_{state.step}.png", result)
 
     def save():
         if env.is_main:
@@ -101,14 +103,14 @@ def main():
         # Same seed + epoch -> same order and crops: a resumed run sees exactly the same batches.
         train_loader.sampler.set_epoch(state.epoch, start_batch=state.batch_in_epoch)
         train_loader.dataset.set_epoch(state.epoch)
-        for lr, hr in train_loader:
-            lr, hr = lr.to(device, non_blocking=True), hr.to(device, non_blocking=True)
+        for inputs, target in train_loader:
+            inputs, target = inputs.to(device, non_blocking=True), target.to(device, non_blocking=True)
 
             seed_step(tcfg.seed, state.step, env.rank)  # stochastic-depth draws: a function of (seed, step, rank)
             optimizer.zero_grad(set_to_none=True)
             with autocast(device, tcfg.amp_dtype):
-                pred = model(lr)
-            loss = loss_fn(pred.float(), hr)  # the loss in fp32 and in physical units
+                pred = model(inputs)
+            loss = loss_fn(pred.float(), target)  # the loss in fp32 and in physical units
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
@@ -118,7 +120,7 @@ def main():
             state.batch_in_epoch += 1
             loss_sum += loss.detach()
             loss_count += 1
-            window_samples += lr.shape[0]
+            window_samples += inputs.shape[0]
             progress.update(1)
 
             end_of_epoch = state.batch_in_epoch == steps_per_epoch

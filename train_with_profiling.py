@@ -23,13 +23,14 @@ from models import build_model
 from utils.checkpoint import (CheckpointError, ensure_writable_dir, latest_checkpoint, load_checkpoint,
                               save_checkpoint)
 from utils.config import parse_config
-from utils.data import CHANNEL_NAMES, build_loaders
+from utils.data import build_loaders
 from utils.metrics import (MetricsLogger, device_peak_flops, mfu, peak_memory_gb, reset_peak_memory,
-                           save_sample_png, train_flops_per_sample)
+                           train_flops_per_sample)
 from utils.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling, throughput_breakdown
+from utils.tasks import build_task
 from utils.techniques import apply_ac, apply_compile
 from utils.training import (TrainState, autocast, build_loss, build_optimizer, check_finite, checkpoint_payload,
-                            configure_backends, evaluate, make_grad_scaler, pick_device, restore_payload, run_cli,
+                            configure_backends, make_grad_scaler, pick_device, restore_payload, run_cli,
                             seed_everything, seed_step, show_progress, total_steps)
 
 
@@ -44,7 +45,8 @@ def main():
     configure_backends(cfg)
 
     # ------------------------------------------------------------------------------------------- Data
-    train_loader, val_loader = build_loaders(cfg)
+    train_loader, val_loader = build_loaders(cfg)  # also fills in the config from the data (channels, statistics)
+    task = build_task(cfg, device)
     steps_per_epoch = len(train_loader)
     max_steps = total_steps(cfg, steps_per_epoch)
 
@@ -52,14 +54,14 @@ def main():
     raw_model = build_model(cfg.model).to(device)
     model = apply_ac(raw_model, tcfg.ac)
     model = apply_compile(model, tcfg.compile, tcfg.compile_backend)
-    lr_shape = tuple(val_loader.dataset[0][0].shape)
-    flops_per_sample = train_flops_per_sample(lambda: build_model(cfg.model), lr_shape)
+    input_shape = tuple(val_loader.dataset[0][0].shape)
+    flops_per_sample = train_flops_per_sample(lambda: build_model(cfg.model), input_shape)
     peak_flops = device_peak_flops(device, tcfg.amp_dtype)
 
     # -------------------------------------------------------------------------------------- Optimizer
     optimizer, scheduler = build_optimizer(model, cfg, steps_per_epoch, device)
     scaler = make_grad_scaler(device, tcfg.amp_dtype)
-    loss_fn = build_loss(tcfg.loss)
+    loss_fn = build_loss(cfg)
     state = TrainState()
     ckpt_dir = f"{tcfg.run_dir}/checkpoints"
     if tcfg.resume:
@@ -69,16 +71,16 @@ def main():
         state = restore_payload(load_checkpoint(latest, device), raw_model, optimizer, scheduler, scaler)
         print(f"resumed from {latest} at step {state.step}")
     ensure_writable_dir(tcfg.run_dir)
-    logger = MetricsLogger(tcfg.run_dir, console=tqdm.write, channel_names=CHANNEL_NAMES)
+    logger = MetricsLogger(tcfg.run_dir, console=tqdm.write, channel_names=task.channel_names,
+                           console_channels=task.key_channels)
     print(f"model: {sum(p.numel() for p in raw_model.parameters()):,} parameters | device: {device} | "
           f"{steps_per_epoch} steps/epoch, {max_steps} steps | {flops_per_sample / 1e9:.1f} GFLOP/sample/step")
 
     # ------------------------------------------------------------------------------------- Validation
     def validate():
-        result = evaluate(model, val_loader, device, tcfg.amp_dtype, cfg.model.upscale)
-        logger.log({"kind": "val", "step": state.step, "epoch": state.epoch,
-                    "rmse": result.rmse, "bicubic_rmse": result.bicubic_rmse})
-        save_sample_png(f"{tcfg.run_dir}/samples/step_{state.step}.png", *result.sample, CHANNEL_NAMES)
+        result = task.evaluate(model, val_loader, device, tcfg.amp_dtype)
+        logger.log({"kind": "val", "step": state.step, "epoch": state.epoch, **result.metrics})
+        task.save_picture(f"{tcfg.run_dir}/samples/step_{state.step}.png", result)
 
     def save():
         save_checkpoint(ckpt_dir, state.step,
@@ -102,14 +104,14 @@ def main():
                 batch = next(batches, None)
                 if batch is None:
                     break
-                lr, hr = (tensor.to(device, non_blocking=True) for tensor in batch)
+                inputs, target = (tensor.to(device, non_blocking=True) for tensor in batch)
 
             seed_step(tcfg.seed, state.step)  # stochastic-depth draws: a function of (seed, step)
             optimizer.zero_grad(set_to_none=True)
             with record_function("## forward ##"):
                 with autocast(device, tcfg.amp_dtype):
-                    pred = model(lr)
-                loss = loss_fn(pred.float(), hr)  # the loss in fp32 and in physical units
+                    pred = model(inputs)
+                loss = loss_fn(pred.float(), target)  # the loss in fp32 and in physical units
             with record_function("## backward ##"):
                 scaler.scale(loss).backward()
             with record_function("## optimizer ##"):
@@ -121,7 +123,7 @@ def main():
             state.batch_in_epoch += 1
             loss_sum += loss.detach()
             loss_count += 1
-            window_samples += lr.shape[0]
+            window_samples += inputs.shape[0]
             progress.update(1)
 
             end_of_epoch = state.batch_in_epoch == steps_per_epoch

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch.nn as nn
+
+from utils.config import img_hw
 
 from .swinir import SwinIR
 from .vit import ViT
 
-__all__ = ["SwinIR", "ViT", "build_model", "count_parameters"]
-
-# Config keys (utils.config.ModelConfig) that only one model reads.
-_SWINIR_ONLY = ("patch_size",)  # SwinIR embeds single pixels
+__all__ = ["SwinIR", "ViT", "build_model", "count_parameters", "fixed_input_size"]
 
 
 def build_model(cfg) -> nn.Module:
@@ -27,11 +27,10 @@ def build_model(cfg) -> nn.Module:
     if not kwargs["mean"]:
         raise ValueError("build_model: mean/std are empty; resolve them from the data first "
                          "(utils.data.resolve_from_data) or set them in the config")
-    size = kwargs.pop("img_size")
-    img_size = (size[0], size[0]) if len(size) == 1 else tuple(size)
+    img_size = img_hw(cfg)
+    kwargs.pop("img_size")
     if name == "swinir":
-        for key in _SWINIR_ONLY:
-            kwargs.pop(key)
+        kwargs.pop("patch_size")  # SwinIR embeds single pixels
         return SwinIR(img_size=img_size, **kwargs)
     if name == "vit":
         return ViT(img_size=img_size, patch_size=kwargs["patch_size"], in_chans=kwargs["in_chans"],
@@ -39,6 +38,11 @@ def build_model(cfg) -> nn.Module:
                    mlp_ratio=kwargs["mlp_ratio"], qkv_bias=kwargs["qkv_bias"],
                    drop_path_rate=kwargs["drop_path_rate"], mean=kwargs["mean"], std=kwargs["std"])
     raise ValueError(f"unknown model {name!r}; available: 'swinir', 'vit'")
+
+
+def fixed_input_size(cfg) -> Optional[tuple[int, int]]:
+    """(height, width) the model accepts and nothing else (the ViT: its position embedding), or None (any size)."""
+    return img_hw(cfg) if cfg.model == "vit" else None
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -496,6 +496,10 @@ class SwinIR(nn.Module):
         """Every Swin transformer block, in order (the "block" unit of AC and FSDP)."""
         return [block for layer in self.layers for block in layer.residual_group.blocks]
 
+    def blocks(self) -> list[nn.Module]:
+        """The uniform units every model exposes to the techniques: here the Swin blocks."""
+        return self.swin_blocks()
+
     def rstb_layers(self) -> list[nn.Module]:
         """The residual Swin transformer blocks (the "layer" unit of AC and FSDP)."""
         return list(self.layers)

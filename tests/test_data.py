@@ -369,6 +369,7 @@ def make_config(root: Path, **overrides) -> Config:
     cfg.data.crop_size, cfg.data.n_patches = CROP, PATCHES
     cfg.data.num_workers, cfg.data.val_samples = 0, 5
     cfg.train.batch_size = 4
+    cfg.model.mean, cfg.model.std = list(SUPERBENCH_MEAN), list(SUPERBENCH_STD)
     for key, value in overrides.items():
         section = next(s for s in ("data", "train", "model") if hasattr(getattr(cfg, s), key))
         setattr(getattr(cfg, section), key, value)
@@ -405,8 +406,10 @@ GOOD_DAY = np.zeros((2, 3, 9, 16), dtype=np.float32)
         ("missing directory", lambda d: None, ["no such directory", "make_synthetic_era5.py"]),
         ("no h5", lambda d: (d.mkdir(), (d / "notes.txt").write_text("x")), ["no .h5 files"]),
         ("no fields", lambda d: write_fields(d / "2008.h5", GOOD_DAY, key="data"), ["no dataset 'fields'", "found: data"]),
-        ("wrong rank", lambda d: write_fields(d / "2008.h5", GOOD_DAY[0]), ["3 dimensions", "expected (days, 3 channels"]),
-        ("wrong channels", lambda d: write_fields(d / "2008.h5", GOOD_DAY[:, :2]), ["2 channels"]),
+        ("wrong rank", lambda d: write_fields(d / "2008.h5", GOOD_DAY[0]), ["3 dimensions", "expected (samples, channels"]),
+        ("wrong channels", lambda d: write_fields(d / "2008.h5", GOOD_DAY[:, :2]), ["has 2 channels", "takes 3", "--in_chans 2"]),
+        ("channels differ", lambda d: (write_fields(d / "2008.h5", GOOD_DAY), write_fields(d / "2010.h5", GOOD_DAY[:, :2])),
+         ["different channel counts", "2008.h5 has 3", "2010.h5 has 2"]),
         ("different grids", lambda d: (write_fields(d / "2008.h5", GOOD_DAY),
                                        write_fields(d / "2010.h5", GOOD_DAY[..., :8])),
          ["different grids", "2008.h5 is 9x16", "2010.h5 is 9x8"]),
@@ -418,7 +421,7 @@ def test_bad_split_folder(tmp_path, name, make, fragments):
     split = tmp_path / "train"
     make(split)
     with pytest.raises(DataError) as excinfo:
-        ERA5Dataset(split, crop_size=4)
+        ERA5Dataset(split, crop_size=4, channels=3)
     assert_one_line_error(excinfo, str(split), *fragments)
 
 

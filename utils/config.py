@@ -139,9 +139,9 @@ class TrainConfig:
     amp_dtype: Literal["none", "bf16", "fp16"] = "none"
     """Autocast dtype for mixed precision (fp16 adds a GradScaler)."""
     ac: Literal["none", "block", "layer"] = "none"
-    """Activation checkpointing per Swin block or per RSTB (layer)."""
+    """Activation checkpointing per block (Swin or ViT block) or per SwinIR RSTB (layer)."""
     compile: bool = False
-    """torch.compile each Swin block."""
+    """torch.compile each block (Swin or ViT block)."""
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
     """torch.compile backend: inductor generates kernels; aot_eager and eager only trace (for debugging)."""
     tf32: bool = True
@@ -175,7 +175,7 @@ class DistConfig:
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size in MiB."""
     broadcast_buffers: bool = False
-    """DDP: re-broadcast buffers from rank 0 every forward (SwinIR's buffers are constants)."""
+    """DDP: re-broadcast buffers from rank 0 every forward (the models' buffers are constants)."""
     gradient_as_bucket_view: bool = True
     """DDP: gradients are views into the communication buckets (saves one copy)."""
     static_graph: bool = False
@@ -183,7 +183,7 @@ class DistConfig:
     no_ddp: bool = False
     """Skip the gradient all-reduce (ranks drift apart): measures communication overhead only."""
     fsdp_unit: Literal["block", "layer"] = "block"
-    """FSDP2: fully_shard each Swin block or each RSTB (layer), then the root."""
+    """FSDP2: fully_shard each block, or each SwinIR RSTB (layer), then the root."""
     param_dtype: Literal["fp32", "bf16"] = "fp32"
     """FSDP2 MixedPrecisionPolicy parameter/compute dtype."""
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
@@ -388,6 +388,8 @@ def validate(cfg: Config) -> None:
     if len(m.img_size) not in (1, 2) or min(m.img_size) <= 0:
         raise ConfigError(f"img_size must be [height, width] or [side] with positive sides, got {m.img_size}")
     if m.model == "vit":
+        if d.task != "forecast":
+            raise ConfigError(f"the ViT maps fields to fields of the same size: use task forecast, not {d.task}")
         if len(m.depths) != 1:
             raise ConfigError(f"the ViT has one stage: depths must have one entry (its depth), got {m.depths}")
         height, width = img_hw(m)

@@ -1,14 +1,17 @@
-"""SuperBench's ERA5, served as it is on disk: dataset, resumable distributed sampler, loaders.
+"""ERA5 served as it is on disk: dataset, resumable distributed sampler, loaders, and what the
+config takes from the data (channel names, normalisation statistics).
 
 Layout (see datasets/README.md): ``<data_dir>/<split>/<year>.h5``, one dataset ``fields`` per
-file, shape ``(days, 3, 721, 1440)``, float32, physical units. The last latitude row is dropped
-(721 -> 720), as SuperBench does, so whole fields divide by 2, 4, 8 and 16.
+file, shape ``(samples, C, H, W)``, float32, physical units, row 0 at 90N and the last row at 90S.
+SuperBench's ERA5 (Part I) is C = 3, daily, 721 x 1440; NERSC's (Part II) C = 20, 6-hourly,
+361 x 720, with ``<data_dir>/stats/{global_means,global_stds,time_means}.npy``. The last latitude
+row is dropped (721 -> 720, 361 -> 360), as SuperBench and NERSC do, so whole fields divide by 2, 4 and 8.
 
 ``ERA5Dataset`` returns float32 tensors in physical units (the model normalises):
 
 - task "sr": ``(lr, hr)``; hr is a ``crop_size`` crop (or the whole 720 x W field when
   ``crop_size`` is 0) and lr its bicubic downsampling by ``upscale`` (antialias off, as SuperBench).
-- task "forecast": ``(x_t, x_t+1)``, the same crop of two consecutive days of one file.
+- task "forecast": ``(x_t, x_t+lead)``, the same crop of two samples ``lead`` steps apart in one file.
 
 A crop reads only its own hyperslab from disk (3 x 128 x 128 floats, 196 KB) instead of the whole
 day (3 x 721 x 1440, 12.5 MB) that SuperBench reads and then crops. Crop positions are a hash of
@@ -26,6 +29,7 @@ import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import h5py
 import numpy as np
@@ -35,9 +39,12 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 SUPERBENCH_MEAN = (6.3024, 278.3945, 18.4262)
 SUPERBENCH_STD = (3.7376, 21.0588, 16.4687)
-CHANNEL_NAMES = ("kinetic energy 10 m", "temperature 2 m", "total column water vapour")
+CHANNEL_NAMES = ("kinetic energy 10 m", "temperature 2 m", "total column water vapour")  # SuperBench's
 CHANNEL_UNITS = ("m2 s-2", "K", "kg m-2")
 FIELDS_KEY = "fields"
+NAMES_ATTR = "channels"  # optional attribute of ``fields``: the channel names (the synthetic files have it)
+STATS_DIR = "stats"  # NERSC's layout: <data_dir>/stats/global_means.npy, global_stds.npy, time_means.npy
+STATS_COMMAND = "python datasets/compute_stats.py --data_dir {root}"
 TASKS = ("sr", "forecast")
 READ_MODES = ("hyperslab", "whole")
 
@@ -94,9 +101,11 @@ def _open_h5(path: Path) -> h5py.File:
 @dataclass(frozen=True)
 class YearFile:
     path: Path
-    days: int
+    days: int  # samples in the file (days for SuperBench, 6-hourly steps for NERSC's data)
     height: int  # as stored (721 for ERA5), before dropping the last row
     width: int
+    channels: int
+    names: Optional[tuple[str, ...]] = None  # the file's channel names, if it records them
 
 
 def _describe(path: Path) -> YearFile:
@@ -104,23 +113,26 @@ def _describe(path: Path) -> YearFile:
         if FIELDS_KEY not in f:
             found = ", ".join(sorted(f.keys())) or "nothing"
             raise DataError(
-                f"{path}: no dataset '{FIELDS_KEY}' (found: {found}); SuperBench files hold one "
-                f"dataset '{FIELDS_KEY}' of shape (days, 3, lat, lon): is this the right file?"
+                f"{path}: no dataset '{FIELDS_KEY}' (found: {found}); ERA5 files here hold one "
+                f"dataset '{FIELDS_KEY}' of shape (samples, channels, lat, lon): is this the right file?"
             )
         fields = f[FIELDS_KEY]
         if not isinstance(fields, h5py.Dataset):
-            raise DataError(f"{path}: '{FIELDS_KEY}' is a group, not a dataset; expected an array (days, 3, lat, lon)")
+            raise DataError(f"{path}: '{FIELDS_KEY}' is a group, not a dataset; expected an array (samples, channels, lat, lon)")
         shape, dtype = fields.shape, fields.dtype
-    expected = f"expected (days, {len(CHANNEL_NAMES)} channels, lat, lon) as SuperBench's ERA5"
+        names = fields.attrs.get(NAMES_ATTR)
+    expected = "expected (samples, channels, lat, lon) as SuperBench's and NERSC's ERA5"
     if len(shape) != 4:
         raise DataError(f"{path}: '{FIELDS_KEY}' has shape {shape} ({len(shape)} dimensions); {expected}")
-    if shape[1] != len(CHANNEL_NAMES):
-        raise DataError(f"{path}: '{FIELDS_KEY}' has {shape[1]} channels (shape {shape}); {expected}")
-    if shape[0] < 1 or shape[2] < 2 or shape[3] < 1:
+    if shape[0] < 1 or shape[1] < 1 or shape[2] < 2 or shape[3] < 1:
         raise DataError(f"{path}: '{FIELDS_KEY}' has shape {shape}, too small to hold a field; {expected}")
     if not np.issubdtype(dtype, np.number):
         raise DataError(f"{path}: '{FIELDS_KEY}' holds {dtype}, not numbers; {expected}, float32")
-    return YearFile(path, shape[0], shape[2], shape[3])
+    if names is not None:
+        names = tuple(n.decode() if isinstance(n, bytes) else str(n) for n in np.atleast_1d(names))
+        if len(names) != shape[1]:
+            names = None  # an attribute that does not describe the channels is ignored
+    return YearFile(path, shape[0], shape[2], shape[3], shape[1], names)
 
 
 def scan_split(split_dir) -> list[YearFile]:
@@ -147,6 +159,11 @@ def scan_split(split_dir) -> list[YearFile]:
             raise DataError(
                 f"{split_dir}: files have different grids: {first.path.name} is {first.height}x{first.width}, "
                 f"{other.path.name} is {other.height}x{other.width}; all years of a split must share one grid"
+            )
+        if other.channels != first.channels:
+            raise DataError(
+                f"{split_dir}: files have different channel counts: {first.path.name} has {first.channels}, "
+                f"{other.path.name} has {other.channels}; all years of a split must hold the same fields"
             )
     return files
 
@@ -205,33 +222,44 @@ class ERA5Dataset(Dataset):
     """SuperBench's ERA5 split folder as (input, target) pairs; see the module docstring.
 
     Length: ``days * n_patches`` with crops (SuperBench's arithmetic: 4 files x 365 days x 8 =
-    11680), ``days`` for whole fields, where "days" counts pairs (days - 1 per file) for forecasting.
+    11680), ``days`` for whole fields, where "days" counts pairs (samples - lead per file) for forecasting.
     Index i maps to file and day as SuperBench: day ``i // n_patches`` counted across the sorted files.
+    ``channels``: the channel count the model expects (checked against the files when given).
 
     ``read="whole"`` reads the whole day and then crops, as SuperBench; only for benchmarks.
     """
 
     def __init__(self, split_dir, task: str = "sr", upscale: int = 2, crop_size: int = 128, n_patches: int = 8,
-                 seed: int = 0, train: bool = True, read: str = "hyperslab"):
+                 seed: int = 0, train: bool = True, read: str = "hyperslab", lead: int = 1,
+                 channels: Optional[int] = None):
         if task not in TASKS:
             raise DataError(f"task {task!r} is not one of {', '.join(TASKS)}")
         if read not in READ_MODES:
             raise DataError(f"read {read!r} is not one of {', '.join(READ_MODES)}")
-        if upscale < 1 or crop_size < 0 or n_patches < 1:
-            raise DataError(f"need upscale >= 1, crop_size >= 0, n_patches >= 1; got {upscale}, {crop_size}, {n_patches}")
+        if upscale < 1 or crop_size < 0 or n_patches < 1 or lead < 1:
+            raise DataError(f"need upscale >= 1, crop_size >= 0, n_patches >= 1, lead >= 1; "
+                            f"got {upscale}, {crop_size}, {n_patches}, {lead}")
         self.split_dir = Path(split_dir)
         self.files = scan_split(self.split_dir)
+        self.channels = self.files[0].channels
+        if channels is not None and channels != self.channels:
+            raise DataError(
+                f"{self.files[0].path}: the data has {self.channels} channels but the model takes {channels} "
+                f"(in_chans); set --in_chans {self.channels} (and mean, std, channel_names to match) or use other data"
+            )
         self.task, self.upscale, self.crop_size, self.seed, self.train, self.read = task, upscale, crop_size, seed, train, read
         self.height = self.files[0].height - 1  # SuperBench drops the last latitude row (721 -> 720)
         self.width = self.files[0].width
         self._check_geometry()
         self.patches_per_day = n_patches if crop_size else 1
-        lead = 1 if task == "forecast" else 0  # a forecast pair needs day t+1 in the same file
-        counts = [max(f.days - lead, 0) for f in self.files]
+        self.lead = lead if task == "forecast" else 0  # a forecast pair needs sample t+lead in the same file
+        counts = [max(f.days - self.lead, 0) for f in self.files]
         self._first_day = list(itertools.accumulate([0] + counts))
         self.days = self._first_day[-1]
         if self.days == 0:
-            raise DataError(f"{self.split_dir}: every file holds a single day; forecasting needs at least 2 days per file")
+            longest = max(f.days for f in self.files)
+            raise DataError(f"{self.split_dir}: lead {lead} needs more than {lead} samples in a file, the longest "
+                            f"holds {longest}; use a smaller --lead or files with more samples")
         # Shared memory: set_epoch in the main process reaches the (persistent) worker processes.
         self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
         self._handles: dict[int, tuple[h5py.File, h5py.Dataset]] = {}
@@ -270,7 +298,7 @@ class ERA5Dataset(Dataset):
         self._epoch[0] = epoch
 
     def locate(self, index: int) -> tuple[int, int]:
-        """(file number, day in that file) of a sample; the target of a forecast is day + 1."""
+        """(file number, day in that file) of a sample; the target of a forecast is day + lead."""
         day = index // self.patches_per_day
         file = bisect.bisect_right(self._first_day, day) - 1
         return file, day - self._first_day[file]
@@ -300,7 +328,7 @@ class ERA5Dataset(Dataset):
         return self._handles[file][1]
 
     def read_field(self, file: int, day: int, row: int = 0, col: int = 0) -> torch.Tensor:
-        """(3, size, size) at (row, col), or the whole (3, 720, W) field when crop_size is 0.
+        """(C, size, size) at (row, col), or the whole (C, H - 1, W) field when crop_size is 0.
 
         Only the crop's hyperslab is read (for chunked files, the tiles it touches);
         read="whole" reads the whole day first, as SuperBench.
@@ -330,7 +358,7 @@ class ERA5Dataset(Dataset):
         row, col = self.crop_origin(index)
         x = self.read_field(file, day, row, col)
         if self.task == "forecast":
-            return x, self.read_field(file, day + 1, row, col)
+            return x, self.read_field(file, day + self.lead, row, col)
         return bicubic_downsample(x, self.upscale), x
 
     def close(self) -> None:
@@ -355,7 +383,7 @@ class ERA5Dataset(Dataset):
     def __repr__(self) -> str:
         crop = f"{self.crop_size}x{self.crop_size} crops x {self.patches_per_day}/day" if self.crop_size else "whole fields"
         return (f"ERA5Dataset({self.split_dir}, task={self.task}, {len(self.files)} files, {self.days} days, "
-                f"{self.height}x{self.width}, {crop}, {len(self)} samples)")
+                f"{self.channels} channels, {self.height}x{self.width}, {crop}, {len(self)} samples)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -390,6 +418,16 @@ class ResumableDistributedSampler(DistributedSampler):
     def __iter__(self):
         return itertools.islice(super().__iter__(), self.start_index, None)
 
+    def padding_mask(self, start: int, count: int) -> torch.Tensor:
+        """True for the real samples among this rank's samples ``start .. start + count - 1`` (of this epoch).
+
+        Without drop_last, DistributedSampler repeats samples so every rank gets as many: the repeats
+        sit at global positions >= len(dataset). Evaluation leaves them out, so its metrics do not
+        depend on the number of ranks, while every rank still runs the same number of batches.
+        """
+        positions = self.rank + (self.start_index + start + torch.arange(count)) * self.num_replicas
+        return positions < len(self.dataset)
+
     def __len__(self) -> int:
         return self.num_samples - self.start_index
 
@@ -420,38 +458,138 @@ def build_dataloader(dataset, batch_size: int, *, shuffle: bool, seed: int = 0, 
                       generator=torch.Generator().manual_seed(seed), **workers)
 
 
-def build_loaders(cfg, rank: int = 0, world_size: int = 1) -> tuple[DataLoader, DataLoader]:
-    """(train, validation) loaders of this rank from a utils.config.Config.
+def read_stats(root, channels: int) -> tuple[list[float], list[float]]:
+    """Per-channel mean and std from ``<root>/stats/global_means.npy`` and ``global_stds.npy`` (NERSC's layout,
+    any shape holding ``channels`` values, e.g. (1, C, 1, 1))."""
+    folder = Path(root) / STATS_DIR
+    values = []
+    for name in ("global_means.npy", "global_stds.npy"):
+        path = folder / name
+        if not path.is_file():
+            raise DataError(
+                f"{path}: no such file, and the config sets no mean/std; set --mean and --std, or compute the "
+                f"statistics of the training split once: `{STATS_COMMAND.format(root=root)}`")
+        try:
+            array = np.load(path).astype(np.float64).reshape(-1)
+        except (OSError, ValueError) as e:
+            raise DataError(f"{path}: cannot be read as a NumPy array ({e}); compute it again: "
+                            f"`{STATS_COMMAND.format(root=root)}`") from None
+        if array.size != channels:
+            raise DataError(f"{path}: {array.size} values for {channels} channels; compute the statistics of "
+                            f"this data again: `{STATS_COMMAND.format(root=root)}`")
+        values.append(array)
+    mean, std = values
+    if not (np.isfinite(mean).all() and np.isfinite(std).all() and (std > 0).all()):
+        raise DataError(f"{folder}: the statistics hold non-finite values or a std <= 0; compute them again: "
+                        f"`{STATS_COMMAND.format(root=root)}`")
+    return mean.tolist(), std.tolist()
 
-    ``cfg.train.batch_size`` is global (per rank: batch_size // world_size). Validation keeps
-    ``val_samples`` evenly spaced samples (0 = all), in order, with fixed crops.
+
+def read_climatology(root, channels: int, height: int, width: int) -> np.ndarray:
+    """The time-mean field per channel, ``<root>/stats/time_means.npy`` (1, C, H_stored, W), cut to (C, height, width)."""
+    path = Path(root) / STATS_DIR / "time_means.npy"
+    if not path.is_file():
+        raise DataError(f"{path}: no such file; forecast validation needs the training split's climatology: "
+                        f"`{STATS_COMMAND.format(root=root)}`")
+    try:
+        array = np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: cannot be read as a NumPy array ({e}); compute it again: "
+                        f"`{STATS_COMMAND.format(root=root)}`") from None
+    array = array.reshape(array.shape[-3:]) if array.ndim >= 3 and np.prod(array.shape[:-3]) == 1 else array
+    if array.ndim != 3 or array.shape[0] != channels or array.shape[1] < height or array.shape[2] != width:
+        raise DataError(f"{path}: shape {tuple(array.shape)} does not match the data ({channels} channels, "
+                        f"{height}x{width}); compute it again: `{STATS_COMMAND.format(root=root)}`")
+    return np.ascontiguousarray(array[:, :height, :width], dtype=np.float32)
+
+
+def resolve_from_data(cfg) -> list[YearFile]:
+    """Fill in what the config leaves to the data, and check what it states against the data.
+
+    Sets ``channel_names`` (empty: the files' names, else "channel i") and ``mean``/``std`` (empty:
+    ``<data_dir>/stats``), so the model, the logs and the checkpoint's config all agree with the data.
+    Raises DataError/ConfigError (one line) when the data and the config disagree. Returns the training files.
     """
-    d, seed, global_batch = cfg.data, cfg.train.seed, cfg.train.batch_size
+    from models import fixed_input_size  # the one fact about models the data layer needs
+    from utils.config import ConfigError
+
+    d, m = cfg.data, cfg.model
     root = Path(d.data_dir)
     if not root.is_dir():
         raise DataError(f"data directory {root} does not exist: {HOW_TO_GET_DATA.format(root=root)}")
+    files = scan_split(root / d.train_split)
+    first = files[0]
+    if first.channels != m.in_chans:
+        raise DataError(
+            f"{first.path}: the data has {first.channels} channels but the config's in_chans is {m.in_chans}; "
+            f"set --in_chans {first.channels} (with mean, std and channel_names to match) or use other data")
+    if not d.channel_names:
+        d.channel_names = list(first.names or (f"channel {c}" for c in range(first.channels)))
+    missing = [name for name in d.key_channels if name not in d.channel_names]
+    if missing:
+        raise ConfigError(f"key_channels {missing} are not channels of the data; channel_names: {d.channel_names}")
+    if not m.mean:
+        m.mean, m.std = read_stats(root, first.channels)
+    fixed = fixed_input_size(m)
+    if fixed is not None:
+        field = (first.height - 1, first.width)  # the dataset drops the last latitude row
+        if d.crop_size:
+            field = (d.crop_size, d.crop_size)
+        if d.task == "sr":
+            field = (field[0] // m.upscale, field[1] // m.upscale)
+        if field != fixed:
+            raise ConfigError(
+                f"the {m.model} model takes {fixed[0]}x{fixed[1]} inputs (img_size) but the data in {root} gives "
+                f"{field[0]}x{field[1]}; set --img_size [{field[0]}, {field[1]}]")
+    return files
+
+
+def evenly_spaced(dataset, samples: int, subset: type[Subset] = Subset):
+    """``samples`` samples spread over the whole dataset (all of it when 0 or larger), so a short run still
+    spans the seasons."""
+    if not samples or samples >= len(dataset):
+        return dataset
+    stride = len(dataset) / samples
+    return subset(dataset, [int(i * stride) for i in range(samples)])
+
+
+def build_loaders(cfg, rank: int = 0, world_size: int = 1) -> tuple[DataLoader, DataLoader]:
+    """(train, validation) loaders of this rank from a utils.config.Config.
+
+    First fills in and checks the config against the data (:func:`resolve_from_data`).
+    ``cfg.train.batch_size`` is global (per rank: batch_size // world_size). Training uses
+    ``train_samples`` and validation ``val_samples`` evenly spaced samples (0 = all), validation in
+    order, with fixed crops.
+    """
+    d, seed, global_batch = cfg.data, cfg.train.seed, cfg.train.batch_size
+    root = Path(d.data_dir)
+    resolve_from_data(cfg)
     if global_batch % world_size:
         raise DataError(
             f"batch_size {global_batch} is the global batch and must be divisible by the {world_size} ranks; "
             f"use a multiple of {world_size}"
         )
     per_rank = global_batch // world_size
-    common = dict(task=d.task, upscale=cfg.model.upscale, crop_size=d.crop_size, n_patches=d.n_patches, seed=seed)
-    train_set = ERA5Dataset(root / d.train_split, train=True, **common)
-    valid_set = ERA5Dataset(root / d.valid_split, train=False, **common)
-    if d.val_samples and d.val_samples < len(valid_set):
-        # Evenly spaced over the split, so a short validation still spans the seasons.
-        stride = len(valid_set) / d.val_samples
-        valid_set = Subset(valid_set, [int(i * stride) for i in range(d.val_samples)])
+    common = dict(task=d.task, upscale=cfg.model.upscale, crop_size=d.crop_size, n_patches=d.n_patches, seed=seed,
+                  lead=d.lead, channels=cfg.model.in_chans)
+    train_set = evenly_spaced(ERA5Dataset(root / d.train_split, train=True, **common), d.train_samples, _SubsetWithEpoch)
+    valid_set = evenly_spaced(ERA5Dataset(root / d.valid_split, train=False, **common), d.val_samples)
     workers = dict(num_workers=d.num_workers, pin_memory=d.pin_memory, persistent_workers=d.persistent_workers,
                    prefetch_factor=d.prefetch_factor)
     train_loader = build_dataloader(train_set, per_rank, shuffle=True, seed=seed, rank=rank, world_size=world_size,
                                     drop_last=d.drop_last, **workers)
     if len(train_loader) == 0:
         raise DataError(
-            f"{train_set.split_dir}: {len(train_set)} training samples make no full batch of {global_batch} "
+            f"{root / d.train_split}: {len(train_set)} training samples make no full batch of {global_batch} "
             f"over {world_size} rank(s); lower batch_size or add data"
         )
     valid_loader = build_dataloader(valid_set, d.val_batch_size or per_rank, shuffle=False, seed=seed, rank=rank,
                                     world_size=world_size, drop_last=False, **workers)
     return train_loader, valid_loader
+
+
+class _SubsetWithEpoch(Subset):
+    """A Subset of an ERA5Dataset that still takes ``set_epoch`` (new training crops each epoch)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.dataset.set_epoch(epoch)

@@ -1,6 +1,6 @@
 """FSDP2 for train_fsdp.py: sharding (FSDP or HSDP), mixed precision, sharded checkpoints, memory report.
 
-- ``apply_fsdp``: ``fully_shard`` on each Swin block (or RSTB) and then on the root, over a 1-D mesh
+- ``apply_fsdp``: ``fully_shard`` on each block (or SwinIR RSTB) and then on the root, over a 1-D mesh
   (FSDP: every rank holds 1/world_size of each parameter) or a 2-D mesh (HSDP: replicate across
   ``hsdp_replicas`` groups, shard within each). Apply it after activation checkpointing and compile,
   and build the optimizer afterwards, on the sharded parameters.
@@ -95,7 +95,7 @@ def mixed_precision(dist_cfg, cast_forward_inputs: bool = True) -> MixedPrecisio
 
 
 def apply_fsdp(model: nn.Module, cfg, device: torch.device) -> nn.Module:
-    """``fully_shard`` each unit (``fsdp_unit``: Swin block or RSTB), then the root; returns the model.
+    """``fully_shard`` each unit (``fsdp_unit``: block or SwinIR RSTB), then the root; returns the model.
 
     Units are sharded first so that each unit's parameters are gathered just before it runs and
     freed after; the root then owns what is left (convolutions, norms, upsampler). The model must
@@ -104,7 +104,8 @@ def apply_fsdp(model: nn.Module, cfg, device: torch.device) -> nn.Module:
 
     The root does not cast its input: the model subtracts the physical mean and divides by the std
     in fp32 (a bf16 input would already be rounded, 278.39 K -> 278.0 K) and casts to the weights'
-    dtype itself; SwinIR casts its buffers (attention masks, position index lookups) at use.
+    dtype itself; SwinIR casts its buffers (attention masks, position index lookups) at use, and the
+    ViT's position embedding is a parameter (gathered in param_dtype).
     """
     d = cfg.dist
     mesh = build_mesh(d.hsdp_replicas, device)

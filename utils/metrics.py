@@ -18,8 +18,10 @@
 - MFU (model FLOPs utilisation) = model FLOPs per second / peak FLOP/s of the device(s):
   :func:`train_flops_per_sample` counts the FLOPs of one training step on the meta device,
   :func:`device_peak_flops` gives the peak, :func:`mfu` divides.
-- :class:`RMSEAccumulator` gives per-channel RMSE over a whole validation set and all ranks.
-- :func:`save_sample_png` draws one validation sample next to its bicubic baseline.
+- :class:`RMSEAccumulator` gives per-channel (optionally latitude-weighted) RMSE over a whole
+  validation set and all ranks; :class:`ACCAccumulator` the anomaly correlation of forecasts.
+- :func:`save_sample_png` draws one super-resolution sample next to its bicubic baseline,
+  :func:`save_forecast_png` one forecast next to persistence.
 """
 
 from __future__ import annotations
@@ -95,7 +97,9 @@ class MetricsLogger:
 
     ``enabled=False`` (ranks other than 0) makes every method a no-op that creates nothing.
     ``console`` takes one string per record (``print``, ``tqdm.write``, or None for silence).
-    ``channel_names`` name the entries of list values in TensorBoard and on the console.
+    ``channel_names`` name the entries of list values in TensorBoard and on the console;
+    ``console_channels`` (names) limit the console to those channels (20 channels x 6 forecast
+    metrics would not fit a line); metrics.jsonl and TensorBoard always get every channel.
     A resumed run appends to the existing metrics.jsonl.
     """
 
@@ -106,10 +110,12 @@ class MetricsLogger:
         tensorboard: bool = True,
         console: Optional[Callable[[str], Any]] = print,
         channel_names: Optional[Sequence[str]] = None,
+        console_channels: Optional[Sequence[str]] = None,
     ):
         self.enabled = enabled
         self.console = console
         self.channel_names = list(channel_names) if channel_names else None
+        self.console_channels = list(console_channels) if console_channels else None
         self.run_dir = Path(run_dir)
         self._jsonl = None
         self._writer = None
@@ -186,6 +192,8 @@ class MetricsLogger:
                 parts.append(f"{key} " + "/".join(_fmt_value(item) for item in value))
             elif isinstance(value, (list, dict)):
                 named = value if isinstance(value, dict) else dict(zip(self.channel_names, value))
+                if isinstance(value, list) and self.console_channels:
+                    named = {name: named[name] for name in self.console_channels if name in named}
                 # Commas: channel names may contain spaces ("temperature 2 m").
                 parts.append(f"{key}: " + ", ".join(f"{name} {_fmt_value(item)}" for name, item in named.items()))
             else:
@@ -422,14 +430,16 @@ def mfu(flops_per_sample: float, samples_per_sec: float, peak_flops: float) -> f
 class RMSEAccumulator:
     """Per-channel RMSE over a whole validation set, independent of how it is batched or sharded.
 
-    Accumulates the sum of squared errors and the number of elements per channel in float64;
-    the RMSE is taken once at the end, never averaged over batches.
+    Accumulates the (weighted) sum of squared errors and the sum of weights per channel in float64;
+    the RMSE is taken once at the end, never averaged over batches. ``row_weights`` (H,) weight the
+    latitude rows (forecasting: cos-latitude, mean 1); None weighs every pixel alike.
     """
 
-    def __init__(self, channels: int, device="cpu"):
+    def __init__(self, channels: int, device="cpu", row_weights: Optional[torch.Tensor] = None):
         self.channels = channels
-        # Row 0: sum of squared errors, row 1: element count; one tensor -> one all_reduce.
+        # Row 0: sum of squared errors, row 1: sum of weights; one tensor -> one all_reduce.
         self._sums = torch.zeros(2, channels, dtype=torch.float64, device=device)
+        self._weights = None if row_weights is None else row_weights.to(device, torch.float64).view(1, 1, -1, 1)
 
     def reset(self) -> None:
         self._sums.zero_()
@@ -442,18 +452,76 @@ class RMSEAccumulator:
                 f"(B, {self.channels}, H, W); got {tuple(pred.shape)} and {tuple(target.shape)}"
             )
         error = pred.detach().to(self._sums.device, torch.float64) - target.detach().to(self._sums.device, torch.float64)
-        self._sums[0] += error.square().sum(dim=(0, 2, 3))
-        self._sums[1] += pred[:, 0].numel()
+        squared = error.square()
+        if self._weights is None:
+            self._sums[1] += pred[:, 0].numel()
+        else:
+            if self._weights.shape[2] != pred.shape[2]:
+                raise ValueError(f"RMSEAccumulator: {self._weights.shape[2]} row weights for {pred.shape[2]} rows")
+            squared = squared * self._weights
+            self._sums[1] += self._weights.sum() * pred.shape[0] * pred.shape[3]
+        self._sums[0] += squared.sum(dim=(0, 2, 3))
 
     def compute(self, all_reduce: bool = False) -> list[float]:
         """Per-channel RMSE. ``all_reduce=True`` sums over all ranks first (every rank must call it;
         a no-op without an initialised process group). The accumulator itself is not changed."""
-        sums = self._sums.clone()
-        if all_reduce and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+        sums = _summed(self._sums, all_reduce)
         if (sums[1] == 0).any():
             raise ValueError("RMSEAccumulator.compute: no samples were added (empty validation set?)")
         return torch.sqrt(sums[0] / sums[1]).tolist()
+
+
+class ACCAccumulator:
+    """Anomaly correlation coefficient per channel, averaged over samples (as WeatherBench and FourCastNet).
+
+    For each sample and channel, with anomalies against the climatology ``clim`` (C, H, W) and
+    latitude weights w: ``sum(w f' a') / sqrt(sum(w f'^2) sum(w a'^2))``, f' = forecast - clim,
+    a' = truth - clim (uncentred). 1 is a perfect pattern, 0 no skill; a sample whose forecast
+    anomaly is zero everywhere (the climatology forecast itself) counts as 0.
+    """
+
+    def __init__(self, climatology: torch.Tensor, row_weights: torch.Tensor, device="cpu"):
+        self.climatology = climatology.to(device, torch.float64)
+        self.channels = climatology.shape[0]
+        self._weights = row_weights.to(device, torch.float64).view(1, 1, -1, 1)
+        self._sums = torch.zeros(2, self.channels, dtype=torch.float64, device=device)  # sum of ACC, samples
+
+    def update(self, pred: torch.Tensor, target: torch.Tensor) -> None:
+        if pred.shape != target.shape or pred.shape[1:] != self.climatology.shape:
+            raise ValueError(f"ACCAccumulator: pred and target must be (B, {', '.join(map(str, self.climatology.shape))}), "
+                             f"got {tuple(pred.shape)} and {tuple(target.shape)}")
+        f = pred.detach().to(self._sums.device, torch.float64) - self.climatology
+        a = target.detach().to(self._sums.device, torch.float64) - self.climatology
+        w = self._weights
+        numerator = (w * f * a).sum(dim=(2, 3))
+        denominator = torch.sqrt((w * f * f).sum(dim=(2, 3)) * (w * a * a).sum(dim=(2, 3)))
+        acc = torch.where(denominator > 0, numerator / denominator.clamp_min(1e-300), torch.zeros_like(numerator))
+        self._sums[0] += acc.sum(dim=0)
+        self._sums[1] += pred.shape[0]
+
+    def compute(self, all_reduce: bool = False) -> list[float]:
+        sums = _summed(self._sums, all_reduce)
+        if (sums[1] == 0).any():
+            raise ValueError("ACCAccumulator.compute: no samples were added (empty validation set?)")
+        return (sums[0] / sums[1]).tolist()
+
+
+def _summed(sums: torch.Tensor, all_reduce: bool) -> torch.Tensor:
+    sums = sums.clone()
+    if all_reduce and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+    return sums
+
+
+def latitude_weights(stored_height: int, rows: Optional[int] = None) -> torch.Tensor:
+    """cos(latitude) of the first ``rows`` rows of a grid with ``stored_height`` rows from 90N to 90S
+    (both poles included, as ERA5's 721), normalised to mean 1 over those rows."""
+    rows = stored_height if rows is None else rows
+    if stored_height < 2 or not 0 < rows <= stored_height:
+        raise ValueError(f"latitude_weights: need 2 <= stored_height and 0 < rows <= stored_height, got {stored_height}, {rows}")
+    lat = torch.deg2rad(90.0 - torch.arange(rows, dtype=torch.float64) * 180.0 / (stored_height - 1))
+    weights = torch.cos(lat).clamp_min(0.0)
+    return weights / weights.mean()
 
 
 # ------------------------------------------------------------------------------- baseline, images
@@ -499,14 +567,12 @@ def save_sample_png(
     panel_width_in: float = 3.0,
     dpi: int = 110,
 ) -> None:
-    """Draw one sample: a row per channel; LR input, bicubic, model, HR truth, |model - truth|.
+    """Draw one super-resolution sample: a row per channel; LR input, bicubic, model, HR truth, |model - truth|.
 
     The four field panels of a row share one colour range (the truth's min..max; values beyond it
     saturate), so they compare at a glance; the error has its own scale from 0. Panel titles give
     the RMSE of bicubic and model against the truth. Written atomically; parent folders are created.
     """
-    from matplotlib.figure import Figure  # no pyplot: no global figure state, Agg canvas on save
-
     lr_np, bicubic_np, pred_np, hr_np = (
         _as_chw_numpy(t, n) for t, n in ((lr, "lr"), (bicubic, "bicubic"), (pred, "pred"), (hr, "hr"))
     )
@@ -516,30 +582,77 @@ def save_sample_png(
             f"lr {lr_np.shape}, bicubic {bicubic_np.shape}, pred {pred_np.shape}, hr {hr_np.shape}"
         )
     channels, height, width = hr_np.shape
-    names = list(channel_names) if channel_names else [f"channel {c}" for c in range(channels)]
+    names = _channel_labels(channel_names, channels)
+    rows = [(names[c], hr_np[c],
+             [(lr_np[c], f"LR input {lr_np.shape[1]}×{lr_np.shape[2]}"),
+              (bicubic_np[c], f"bicubic  RMSE {_rmse(bicubic_np[c], hr_np[c]):.4g}"),
+              (pred_np[c], f"model  RMSE {_rmse(pred_np[c], hr_np[c]):.4g}"),
+              (hr_np[c], f"HR truth {height}×{width}")],
+             [(np.abs(pred_np[c] - hr_np[c]), "|model − truth|")])
+            for c in range(channels)]
+    _save_panels(path, rows, height / width, title, panel_width_in, dpi)
 
-    panel_height_in = panel_width_in * height / width
-    fig = Figure(figsize=(5 * panel_width_in + 1.6, channels * (panel_height_in + 0.55) + 0.4), layout="constrained")
-    axes = fig.subplots(channels, 5, squeeze=False)
-    for row in range(channels):
-        truth = hr_np[row]
+
+def save_forecast_png(
+    path,
+    inputs: torch.Tensor,
+    truth: torch.Tensor,
+    forecast: torch.Tensor,
+    channel_names: Optional[Sequence[str]] = None,
+    channels: Optional[Sequence[int]] = None,
+    title: Optional[str] = None,
+    panel_width_in: float = 3.0,
+    dpi: int = 110,
+) -> None:
+    """Draw one forecast: a row per channel in ``channels`` (default: the first two); input (time t),
+    truth (t + lead), forecast, then the errors of persistence (input − truth) and of the forecast.
+
+    Input, truth and forecast share the truth's colour range; the two error panels share one
+    scale, so the forecast's gain over persistence shows at a glance. Written atomically.
+    """
+    x_np, y_np, f_np = (_as_chw_numpy(t, n) for t, n in ((inputs, "inputs"), (truth, "truth"), (forecast, "forecast")))
+    if not x_np.shape == y_np.shape == f_np.shape:
+        raise ValueError(f"save_forecast_png: inputs, truth and forecast must have one shape; got "
+                         f"{x_np.shape}, {y_np.shape}, {f_np.shape}")
+    count, height, width = y_np.shape
+    names = _channel_labels(channel_names, count)
+    shown = list(channels) if channels is not None else list(range(min(2, count)))
+    if not shown or any(not 0 <= c < count for c in shown):
+        raise ValueError(f"save_forecast_png: channels {shown} must be indices of the {count} channels")
+    rows = [(names[c], y_np[c],
+             [(x_np[c], "input (t)"), (y_np[c], "truth (t + lead)"), (f_np[c], "forecast")],
+             [(np.abs(x_np[c] - y_np[c]), f"|persistence − truth|  RMSE {_rmse(x_np[c], y_np[c]):.4g}"),
+              (np.abs(f_np[c] - y_np[c]), f"|forecast − truth|  RMSE {_rmse(f_np[c], y_np[c]):.4g}")])
+            for c in shown]
+    _save_panels(path, rows, height / width, title, panel_width_in, dpi)
+
+
+def _channel_labels(channel_names: Optional[Sequence[str]], channels: int) -> list[str]:
+    return list(channel_names) if channel_names else [f"channel {c}" for c in range(channels)]
+
+
+def _save_panels(path, rows, aspect: float, title: Optional[str], panel_width_in: float, dpi: int) -> None:
+    """One figure row per (name, truth, fields, errors): the field panels share the truth's colour range, the
+    error panels one scale from 0 (largest error of the row)."""
+    from matplotlib.figure import Figure  # no pyplot: no global figure state, Agg canvas on save
+
+    columns = len(rows[0][2]) + len(rows[0][3])
+    panel_height_in = panel_width_in * aspect
+    fig = Figure(figsize=(columns * panel_width_in + 1.6, len(rows) * (panel_height_in + 0.55) + 0.4),
+                 layout="constrained")
+    axes = fig.subplots(len(rows), columns, squeeze=False)
+    for row, (name, truth, fields, errors) in enumerate(rows):
         vmin, vmax = float(np.nanmin(truth)), float(np.nanmax(truth))
-        error = np.abs(pred_np[row] - truth)
-        panels = [
-            (lr_np[row], f"LR input {lr_np.shape[1]}×{lr_np.shape[2]}"),
-            (bicubic_np[row], f"bicubic  RMSE {_rmse(bicubic_np[row], truth):.4g}"),
-            (pred_np[row], f"model  RMSE {_rmse(pred_np[row], truth):.4g}"),
-            (truth, f"HR truth {height}×{width}"),
-        ]
-        for ax, (field, label) in zip(axes[row, :4], panels):
+        for ax, (field, label) in zip(axes[row], fields):
             image = ax.imshow(field, cmap="viridis", vmin=vmin, vmax=vmax)
             ax.set_title(label, fontsize=9)
-        fig.colorbar(image, ax=list(axes[row, :4]), shrink=0.9, pad=0.01)
-        ax_error = axes[row, 4]
-        error_image = ax_error.imshow(error, cmap="magma", vmin=0.0)
-        ax_error.set_title(f"|model − truth|  max {float(np.nanmax(error)):.3g}", fontsize=9)
-        fig.colorbar(error_image, ax=ax_error, shrink=0.9, pad=0.01)
-        axes[row, 0].set_ylabel(names[row], fontsize=10)
+        fig.colorbar(image, ax=list(axes[row, :len(fields)]), shrink=0.9, pad=0.01)
+        error_max = max(float(np.nanmax(error)) for error, _ in errors) or 1.0
+        for ax, (error, label) in zip(axes[row, len(fields):], errors):
+            error_image = ax.imshow(error, cmap="magma", vmin=0.0, vmax=error_max)
+            ax.set_title(f"{label}  max {float(np.nanmax(error)):.3g}", fontsize=9)
+        fig.colorbar(error_image, ax=list(axes[row, len(fields):]), shrink=0.9, pad=0.01)
+        axes[row, 0].set_ylabel(name, fontsize=10)
         for ax in axes[row]:
             ax.set_xticks([])
             ax.set_yticks([])

@@ -553,15 +553,15 @@ def throughput_breakdown(cfg: Config, loader, model, optimizer, loss_fn, scaler,
     def to_device(batch):
         return [tensor.to(device, non_blocking=True) for tensor in batch]
 
-    def train_step(lr, hr) -> int:  # the compute of one step of train.py's loop; keep the two alike
+    def train_step(inputs, target) -> int:  # the compute of one step of train.py's loop; keep the two alike
         optimizer.zero_grad(set_to_none=True)
         with autocast(device, amp_dtype):
-            pred = model(lr)
-        loss = loss_fn(pred.float(), hr)
+            pred = model(inputs)
+        loss = loss_fn(pred.float(), target)
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
-        return lr.shape[0]
+        return inputs.shape[0]
 
     batches = _endless(loader)
     io_rate = _samples_per_sec(lambda: len(next(batches)[0]), steps, queue, device)

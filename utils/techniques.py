@@ -5,7 +5,8 @@
 Each function takes the model and returns it (modified in place where possible), so a training
 script reads ``model = apply_ac(model, ...); model = apply_compile(model, ...)`` and the model
 code never mentions any of it. The "units" are the model's uniform block lists:
-``model.swin_blocks()`` (every Swin transformer block) or ``model.rstb_layers()`` (every RSTB).
+``model.blocks()`` (SwinIR's Swin transformer blocks, the ViT's transformer blocks) or, for
+SwinIR only, ``model.rstb_layers()`` (every RSTB).
 """
 
 from __future__ import annotations
@@ -16,18 +17,23 @@ import torch
 from torch import nn
 from torch.distributed._composable import checkpoint as composable_checkpoint
 
+from utils.config import ConfigError
+
 
 def ac_units(model: nn.Module, unit: str) -> list[nn.Module]:
-    """The modules a technique wraps one by one: "block" = Swin blocks, "layer" = RSTBs."""
+    """The modules a technique wraps one by one: "block" = the model's blocks(), "layer" = SwinIR's RSTBs."""
     if unit == "block":
-        return list(model.swin_blocks())
+        return list(model.blocks())
     if unit == "layer":
+        if not hasattr(model, "rstb_layers"):
+            raise ConfigError(f"unit 'layer' groups SwinIR's RSTBs; {type(model).__name__} has blocks only: "
+                              "use --ac block / --fsdp_unit block")
         return list(model.rstb_layers())
     raise ValueError(f"unit must be 'block' or 'layer', got {unit!r}")
 
 
 def apply_ac(model: nn.Module, mode: str) -> nn.Module:
-    """Activation checkpointing per Swin block ("block") or per RSTB ("layer"); "none" does nothing.
+    """Activation checkpointing per block ("block") or per SwinIR RSTB ("layer"); "none" does nothing.
 
     Non-reentrant checkpointing (the composable API) is the kind that works with DDP, FSDP2 and
     torch.compile, and it leaves parameter names unchanged, so checkpoints stay interchangeable
@@ -42,17 +48,17 @@ def apply_ac(model: nn.Module, mode: str) -> nn.Module:
 
 
 def apply_compile(model: nn.Module, enabled: bool, backend: str = "inductor") -> nn.Module:
-    """torch.compile each Swin block in place (``Module.compile``).
+    """torch.compile each block in place (``Module.compile``).
 
-    Blocks share one code object, but dynamo specialises on their shift and drop-path
-    probability, so it compiles one graph per distinct block. The recompile limit is raised to
-    that count: at the default (8) the tutorial's 36 blocks would silently run 28 of them eagerly.
-    In-place compilation keeps parameter names free of ``_orig_mod.``.
+    Blocks share one code object, but dynamo specialises on their constants (SwinIR's shift, the
+    drop-path probability), so it compiles one graph per distinct block. The recompile limit is
+    raised to that count: at the default (8) the tutorial's 36 Swin blocks would silently run 28
+    of them eagerly. In-place compilation keeps parameter names free of ``_orig_mod.``.
     """
     if not enabled:
         return model
-    blocks = list(model.swin_blocks())
-    variants = {(block.shift_size, getattr(block.drop_path, "drop_prob", 0.0)) for block in blocks}
+    blocks = list(model.blocks())
+    variants = {(getattr(block, "shift_size", 0), getattr(block.drop_path, "drop_prob", 0.0)) for block in blocks}
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(variants))
     for block in blocks:
         block.compile(backend=backend)
@@ -85,7 +91,7 @@ def apply_ddp(model: nn.Module, cfg, device: torch.device) -> nn.Module:
 
 
 def apply_fsdp(model: nn.Module, cfg, device: torch.device) -> nn.Module:
-    """FSDP2: fully_shard each Swin block (or RSTB) and the root, FSDP or HSDP (utils.fsdp.apply_fsdp).
+    """FSDP2: fully_shard each block (or SwinIR RSTB) and the root, FSDP or HSDP (utils.fsdp.apply_fsdp).
 
     Build the optimizer after this call: it must hold the sharded parameters.
     """

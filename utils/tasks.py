@@ -1,0 +1,165 @@
+"""What depends on the task, in one place: its baselines, its validation metrics and its picture.
+
+The training scripts never branch on the model or the task; they do::
+
+    task = build_task(cfg, device)
+    result = task.evaluate(model, val_loader, device, amp_dtype, all_reduce)
+    logger.log({"kind": "val", "step": step, **result.metrics})
+    task.save_picture(path, result)
+
+- ``sr`` (Part I, SwinIR): per-channel RMSE of the model and of bicubic interpolation of the same
+  low-resolution inputs (the bar a super-resolution model must clear); picture: LR, bicubic,
+  model, truth, error.
+- ``forecast`` (Part II, the ViT): latitude-weighted RMSE and ACC per channel, of the model and of
+  two baselines every forecaster is judged against: persistence (tomorrow = today) and the
+  climatology (the training split's time-mean field, ``<data_dir>/stats/time_means.npy``);
+  picture: input, truth, forecast and the errors of persistence and forecast.
+
+All metrics are in physical units and independent of batching and of the number of ranks.
+A new task (a later 3-D volume task, say) is one more class here and one entry in ``TASKS``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from utils.data import DataError, read_climatology, scan_split
+from utils.metrics import (ACCAccumulator, RMSEAccumulator, bicubic_upsample, latitude_weights, save_forecast_png,
+                           save_sample_png)
+from utils.training import autocast
+
+
+@dataclass
+class Evaluation:
+    metrics: dict[str, list[float]]
+    """Per-channel lists by name, e.g. {"rmse": [...], "bicubic_rmse": [...]} (the validation record)."""
+    sample: tuple[torch.Tensor, ...]
+    """The first validation sample's tensors for the picture, on the CPU."""
+
+
+class Task:
+    """Base of the tasks: the evaluation loop; subclasses say what to measure and draw."""
+
+    name = ""
+
+    def __init__(self, channel_names: list[str], key_channels: list[str]):
+        self.channel_names = list(channel_names)
+        self.key_channels = list(key_channels)
+
+    def new_accumulators(self, channels: int, device: torch.device) -> dict:
+        raise NotImplementedError
+
+    def update(self, accumulators: dict, inputs: torch.Tensor, pred: torch.Tensor, target: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def picture_sample(self, inputs: torch.Tensor, pred: torch.Tensor, target: torch.Tensor) -> tuple:
+        raise NotImplementedError
+
+    def save_picture(self, path, evaluation: Evaluation) -> None:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, loader, device: torch.device, amp_dtype: str,
+                 all_reduce: bool = False) -> Evaluation:
+        """Every metric of the task over the validation loader (all ranks together with ``all_reduce``)."""
+        was_training = model.training
+        model.eval()
+        accumulators, sample, seen = None, None, 0
+        padding_mask = getattr(loader.sampler, "padding_mask", None)
+        for inputs, target in loader:
+            inputs, target = inputs.to(device, non_blocking=True), target.to(device, non_blocking=True)
+            with autocast(device, amp_dtype):  # every rank runs every batch: FSDP gathers in lockstep
+                pred = model(inputs)
+            pred = pred.float()
+            if accumulators is None:
+                accumulators = self.new_accumulators(target.shape[1], device)
+                sample = tuple(t[0].detach().cpu() for t in self.picture_sample(inputs, pred, target))
+            if padding_mask is not None:  # leave out the repeats the sampler added to even out the ranks
+                real = padding_mask(seen, len(inputs)).to(device)
+                seen += len(inputs)
+                inputs, pred, target = inputs[real], pred[real], target[real]
+            if len(inputs):
+                self.update(accumulators, inputs, pred, target)
+        model.train(was_training)
+        if accumulators is None:
+            raise DataError("the validation split yielded no samples: check valid_split and val_samples")
+        return Evaluation({key: acc.compute(all_reduce) for key, acc in accumulators.items()}, sample)
+
+
+class SuperResolution(Task):
+    """Part I: (low-res, high-res) pairs; the baseline is bicubic interpolation."""
+
+    name = "sr"
+
+    def __init__(self, channel_names: list[str], key_channels: list[str], upscale: int):
+        super().__init__(channel_names, key_channels)
+        self.upscale = upscale
+
+    def _bicubic(self, inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return bicubic_upsample(inputs, self.upscale, size=target.shape[-2:])
+
+    def new_accumulators(self, channels: int, device: torch.device) -> dict:
+        return {"rmse": RMSEAccumulator(channels, device), "bicubic_rmse": RMSEAccumulator(channels, device)}
+
+    def update(self, accumulators, inputs, pred, target) -> None:
+        accumulators["rmse"].update(pred, target)
+        accumulators["bicubic_rmse"].update(self._bicubic(inputs, target), target)
+
+    def picture_sample(self, inputs, pred, target) -> tuple:
+        return inputs, self._bicubic(inputs, target), pred, target
+
+    def save_picture(self, path, evaluation: Evaluation) -> None:
+        save_sample_png(path, *evaluation.sample, self.channel_names)
+
+
+class Forecast(Task):
+    """Part II: (state t, state t + lead) pairs of whole fields; baselines persistence and climatology."""
+
+    name = "forecast"
+
+    def __init__(self, channel_names: list[str], key_channels: list[str], climatology: torch.Tensor,
+                 row_weights: torch.Tensor):
+        super().__init__(channel_names, key_channels)
+        self.climatology = climatology  # (C, H, W), physical units
+        self.row_weights = row_weights  # (H,), mean 1
+
+    def new_accumulators(self, channels: int, device: torch.device) -> dict:
+        if channels != self.climatology.shape[0]:
+            raise DataError(f"the validation data has {channels} channels, the climatology {self.climatology.shape[0]}")
+        rmse = lambda: RMSEAccumulator(channels, device, self.row_weights)  # noqa: E731
+        acc = lambda: ACCAccumulator(self.climatology, self.row_weights, device)  # noqa: E731
+        return {"rmse": rmse(), "acc": acc(), "persistence_rmse": rmse(), "persistence_acc": acc(),
+                "climatology_rmse": rmse(), "climatology_acc": acc()}
+
+    def update(self, accumulators, inputs, pred, target) -> None:
+        climatology = self.climatology.to(target.device).expand_as(target)
+        for prefix, forecast in (("", pred), ("persistence_", inputs), ("climatology_", climatology)):
+            accumulators[f"{prefix}rmse"].update(forecast, target)
+            accumulators[f"{prefix}acc"].update(forecast, target)
+
+    def picture_sample(self, inputs, pred, target) -> tuple:
+        return inputs, target, pred
+
+    def save_picture(self, path, evaluation: Evaluation) -> None:
+        shown = [self.channel_names.index(name) for name in self.key_channels[:2]] or None
+        save_forecast_png(path, *evaluation.sample, self.channel_names, channels=shown)
+
+
+def build_task(cfg, device: Optional[torch.device] = None) -> Task:
+    """The task of ``cfg.data.task``, with what it needs from the data (call after build_loaders, which
+    fills in the channel names)."""
+    d = cfg.data
+    if d.task == "sr":
+        return SuperResolution(d.channel_names, d.key_channels, cfg.model.upscale)
+    if d.task == "forecast":
+        first = scan_split(Path(d.data_dir) / d.valid_split)[0]
+        rows = first.height - 1  # the dataset drops the last latitude row
+        climatology = torch.from_numpy(read_climatology(d.data_dir, first.channels, rows, first.width))
+        return Forecast(d.channel_names, d.key_channels, climatology.to(device or "cpu"),
+                        latitude_weights(first.height, rows))
+    raise ValueError(f"unknown task {d.task!r}")
