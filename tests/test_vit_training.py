@@ -1,0 +1,152 @@
+"""Part II through Part I's scripts: the ViT forecaster under train.py, train_ddp.py and train_fsdp.py
+equals one device (losses, every weight and every Adam moment, i.e. the gradient history, and the
+validation metrics), resumes exactly, also across layouts, and keeps AMP / AC / compile working."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+
+import pytest
+import torch
+
+from models import build_model
+from tests.conftest import read_metrics, resume_from, run_script, weights_at
+from tests.test_ddp import TORCHRUN, assert_same_weights, train_losses
+from tests.test_fsdp import exported
+from utils.checkpoint import load_checkpoint
+from utils.config import build_config
+from utils.techniques import apply_ac, apply_compile
+from utils.training import autocast, build_loss
+
+VIT_MODEL = ["--img_size", "[16, 32]", "--patch_size", "4", "--embed_dim", "16", "--depths", "[2]",
+             "--num_heads", "[2]"]
+# 2 files x 11 pairs / batch 4 = 5 steps per epoch: 7 steps cross the epoch boundary; validations at
+# steps 4 and 7; checkpoints at 3, 5 (end of epoch), 6 and 7.
+VIT_STEPS = ("--max_steps", "7", "--log_every", "1", "--val_every", "4", "--ckpt_every", "3",
+             "--keep_checkpoints", "10")
+FORECAST_METRICS = ("rmse", "acc", "persistence_rmse", "persistence_acc", "climatology_rmse", "climatology_acc")
+
+
+@pytest.fixture(scope="session")
+def vit_data(tmp_path_factory):
+    """NERSC's layout in miniature: 20 channels, 6-hourly, 17x32 stored grid, stats/ included."""
+    from datasets.make_synthetic_era5 import make_synthetic_era5
+
+    root = tmp_path_factory.mktemp("era5_nersc")
+    make_synthetic_era5(root, samples_per_year=12, height=17, width=32, seed=0, train_years=(2008, 2010),
+                        valid_years=(2015,), channels="nersc20", hours_per_step=6, stats=True, progress=False)
+    return root
+
+
+def vit_args(data_dir, run_dir, *extra: str) -> list[str]:
+    return ["--config", "vit_quickstart", "--data_dir", str(data_dir), "--run_dir", str(run_dir), "--batch_size", "4",
+            "--val_samples", "5", "--num_workers", "0", "--progress", "never", *VIT_MODEL, *extra]
+
+
+@pytest.fixture(scope="module")
+def vit_runs(vit_data, tmp_path_factory):
+    """train.py, train_ddp.py and train_fsdp.py (2 ranks each) with the same global batch and seed."""
+    root = tmp_path_factory.mktemp("vit_runs")
+    runs = {"single": root / "single", "ddp": root / "ddp", "fsdp": root / "fsdp"}
+    run_script("train.py", *vit_args(vit_data, runs["single"], *VIT_STEPS))
+    for name in ("ddp", "fsdp"):
+        proc = run_script(f"train_{name}.py", *vit_args(vit_data, runs[name], *VIT_STEPS), launcher=TORCHRUN)
+        assert "world_size=2 nodes=1 backend=gloo" in proc.stdout
+    return runs
+
+
+def optimizer_moments(payload: dict) -> list[torch.Tensor]:
+    """Adam's exp_avg and exp_avg_sq of every parameter: a running record of every gradient so far."""
+    state = payload["optimizer"]["state"]
+    return [state[index][key] for index in sorted(state) for key in ("exp_avg", "exp_avg_sq")]
+
+
+def val_records(run_dir) -> list[dict]:
+    return [r for r in read_metrics(run_dir) if r["kind"] == "val"]
+
+
+def test_single_device_run_records_forecast_metrics(vit_runs):
+    records = val_records(vit_runs["single"])
+    assert [r["step"] for r in records] == [4, 7]
+    for record in records:
+        assert all(len(record[key]) == 20 for key in FORECAST_METRICS)
+        assert record["climatology_acc"] == [0.0] * 20
+    assert (vit_runs["single"] / "samples" / "step_7.png").exists()
+
+
+@pytest.mark.parametrize("layout", ["ddp", "fsdp"])
+def test_two_ranks_equal_one_device(vit_runs, layout):
+    single, other = vit_runs["single"], vit_runs[layout]
+    torch.testing.assert_close(train_losses(other), train_losses(single), rtol=1e-4, atol=1e-6)
+    load = (lambda step: exported(other, step)) if layout == "fsdp" else (
+        lambda step: load_checkpoint(other / "checkpoints" / f"step_{step:08d}.pt"))
+    for step in (3, 7):
+        payload = load(step)
+        reference = load_checkpoint(single / "checkpoints" / f"step_{step:08d}.pt")
+        assert_same_weights(payload["model"], reference["model"])
+        for mine, theirs in zip(optimizer_moments(payload), optimizer_moments(reference), strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-7)
+    for mine, theirs in zip(val_records(other), val_records(single), strict=True):
+        for key in FORECAST_METRICS:
+            torch.testing.assert_close(mine[key], theirs[key], rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_resume_is_exact_and_crosses_layouts(vit_runs, vit_data, tmp_path):
+    single = vit_runs["single"]
+    # Same layout: bit-identical.
+    run = resume_from(single, 3, tmp_path / "same")
+    run_script("train.py", *vit_args(vit_data, run, *VIT_STEPS, "--resume"))
+    for key, value in weights_at(single, 7).items():
+        torch.testing.assert_close(weights_at(run, 7)[key], value, rtol=0, atol=0, msg=key)
+    # A DDP checkpoint, and an FSDP one exported to a file, continue on one device to the same weights.
+    run = resume_from(vit_runs["ddp"], 3, tmp_path / "from_ddp")
+    run_script("train.py", *vit_args(vit_data, run, *VIT_STEPS, "--resume"))
+    assert_same_weights(weights_at(run, 7), weights_at(single, 7))
+    run = tmp_path / "from_fsdp"
+    (run / "checkpoints").mkdir(parents=True)
+    exported(vit_runs["fsdp"], 3)
+    shutil.copyfile(vit_runs["fsdp"] / "exported" / "step_3.pt", run / "checkpoints" / "step_00000003.pt")
+    run_script("train.py", *vit_args(vit_data, run, *VIT_STEPS, "--resume"))
+    assert_same_weights(weights_at(run, 7), weights_at(single, 7))
+
+
+# ------------------------------------------------------------------ AMP, AC, compile on the ViT
+
+
+def tiny_vit():
+    cfg = build_config("vit_quickstart", {"img_size": [8, 16], "patch_size": 4, "embed_dim": 16, "depths": [2],
+                                          "num_heads": [2], "in_chans": 3, "channel_names": ["a", "b", "c"],
+                                          "key_channels": [], "mean": [1.0, 280.0, 5.0], "std": [2.0, 20.0, 3.0]})
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    generator = torch.Generator().manual_seed(1)
+    mean, std = torch.tensor(cfg.model.mean).view(1, -1, 1, 1), torch.tensor(cfg.model.std).view(1, -1, 1, 1)
+    x, y = (mean + std * torch.randn(2, 3, 8, 16, generator=generator) for _ in range(2))
+    return cfg, model, x, y
+
+
+def loss_and_grads(cfg, model, x, y, amp_dtype="none"):
+    model.zero_grad(set_to_none=True)
+    with autocast(torch.device("cpu"), amp_dtype):
+        pred = model(x)
+    loss = build_loss(cfg)(pred.float(), y)
+    loss.backward()
+    return loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def test_ac_and_compile_leave_the_vit_step_unchanged_and_bf16_stays_close():
+    cfg, model, x, y = tiny_vit()
+    loss, grads = loss_and_grads(cfg, model, x, y)
+    checkpointed_loss, checkpointed_grads = loss_and_grads(cfg, apply_ac(copy.deepcopy(model), "block"), x, y)
+    assert checkpointed_loss == loss  # recomputing a block's forward in backward changes no bit
+    torch.testing.assert_close(checkpointed_grads, grads, rtol=0, atol=0)
+    compiled = apply_compile(copy.deepcopy(model), True, "aot_eager")
+    compiled_loss, compiled_grads = loss_and_grads(cfg, compiled, x, y)
+    torch.testing.assert_close(compiled_loss, loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(compiled_grads, grads, rtol=1e-5, atol=1e-7)
+    bf16_loss, bf16_grads = loss_and_grads(cfg, model, x, y, "bf16")
+    assert bf16_loss.item() == pytest.approx(loss.item(), rel=2e-2)
+    assert torch.nn.functional.cosine_similarity(bf16_grads, grads, dim=0) > 0.99
+    with pytest.raises(Exception, match="blocks only"):
+        apply_ac(copy.deepcopy(model), "layer")
