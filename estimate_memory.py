@@ -1,18 +1,26 @@
-"""Steps 1-2 — predict the peak training memory of a SwinIR config, before running out of it.
+"""Steps 1-2 and Part II — predict the peak training memory of a config, before running out of it.
 
-Adds up, per rank: parameters, gradients, AdamW state, the activations autograd holds for
-backward (a formula per layer that follows SwinIR's windowed attention, so it grows linearly with
-the number of pixels), and the temporary peak of backward. Nothing is run: it takes a second.
+Works for both models of the tutorial (the config's ``model`` key): SwinIR (Part I) and the ViT
+forecaster (Part II). Adds up, per rank: parameters, gradients, AdamW state, the activations
+autograd holds for backward (a formula per layer: SwinIR's windowed attention grows linearly with
+the number of pixels; the ViT's fused SDPA saves q, k, v and the output, never the tokens x tokens
+matrix, so it grows linearly with the tokens too), and the temporary peak of backward. Nothing is
+run: it takes a second.
 
-    python estimate_memory.py --config full_size                        # whole 720x1440 fields, fp32
+    python estimate_memory.py --config full_size                        # SwinIR, whole 720x1440 fields, fp32
     python estimate_memory.py --config full_size --amp_dtype bf16 --ac block
     python estimate_memory.py --config full_size --device cuda          # GPU attention path (default: this machine's)
     python estimate_memory.py --config baseline --crop_size 64 --batch_size 2
     python estimate_memory.py --config full_size --batch_size 8 --world_size 8 --strategy fsdp --param_dtype bf16
+    python estimate_memory.py --config vit_mp --device cuda --amp_dtype none   # the ViT, 350M parameters, batch 64
+    python estimate_memory.py --config vit_mp --device cuda --ac block
+    python estimate_memory.py --config vit_mp --device cuda --strategy fsdp --world_size 4
     python estimate_memory.py --config full_size --json                 # one JSON object
 
 Any config key can be overridden as in the training scripts (`--help` lists them). batch_size is
-the global batch: with --world_size N each rank holds batch_size / N samples.
+the global batch: with --world_size N each rank holds batch_size / N samples. The ViT's input is
+always its whole img_size field (no crops, no --field); its activation checkpointing unit and
+FSDP unit are the transformer block (``ac: layer`` is SwinIR's RSTB, an error for the ViT).
 See utils/memory.py for the model of each term, and which terms are exact or approximate;
 benchmarks/validate_memory_estimate.py compares the estimate with measurements.
 """
@@ -53,15 +61,26 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
+GPU_SIZES_GB = (40, 80)  # A100 40/80 GB, H100 80 GB: what the total is compared with on the CUDA path
+
+
 def format_table(estimate: MemoryEstimate) -> str:
     s = estimate.setting
     ranks = f"{s['world_size']} rank{'s' if s['world_size'] > 1 else ''}, strategy {s['strategy']}"
-    lines = [
-        f"SwinIR training memory estimate — config {s['config']}: {s['num_params']:,} parameters, {ranks}",
-        f"  input {s['lr_input'][0]}x{s['lr_input'][1]} low-res (padded {s['padded_input'][0]}x{s['padded_input'][1]}), "
-        f"batch {s['batch_per_rank']} per rank = {s['tokens_per_rank']:,} tokens; device {s['device_type']} "
-        f"({s['attention']} window attention); {s['precision']}; activation checkpointing {s['ac']}",
-    ]
+    model = s.get("model", "SwinIR")
+    lines = [f"{model} training memory estimate — config {s['config']}: {s['num_params']:,} parameters, {ranks}"]
+    if model == "ViT":
+        h, w = s["lr_input"]
+        lines.append(
+            f"  input {h}x{w} fields, patch {s['patch_size']} -> {s['tokens_per_sample']:,} tokens per sample, "
+            f"batch {s['batch_per_rank']} per rank = {s['tokens_per_rank']:,} tokens; device {s['device_type']} "
+            f"({s['attention']} attention); {s['precision']}; activation checkpointing {s['ac']}; "
+            f"loss {s['loss']} ({s['loss_space']})")
+    else:
+        lines.append(
+            f"  input {s['lr_input'][0]}x{s['lr_input'][1]} low-res (padded {s['padded_input'][0]}x{s['padded_input'][1]}), "
+            f"batch {s['batch_per_rank']} per rank = {s['tokens_per_rank']:,} tokens; device {s['device_type']} "
+            f"({s['attention']} window attention); {s['precision']}; activation checkpointing {s['ac']}")
     if "field" in s:
         lines.append(f"  whole {s['field'][0]}x{s['field'][1]} fields: {s['field_source']}")
     lines += [
@@ -86,6 +105,9 @@ def format_table(estimate: MemoryEstimate) -> str:
     row("temporary peak (backward)", estimate.temporary, accuracy["temporary"])
     lines.append(f"  {'-' * 48}")
     row("total (upper bound of the peak)", estimate.total)
+    if s["device_type"] == "cuda":
+        fits = "; ".join(f"fits {size} GB: {'yes' if estimate.total <= size * GB else 'no'}" for size in GPU_SIZES_GB)
+        lines.append(f"  per GPU: {fits} (not counted: the CUDA context, the caching allocator's fragmentation)")
     return "\n".join(lines)
 
 

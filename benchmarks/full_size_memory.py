@@ -19,6 +19,15 @@ fp32; bf16 autocast; bf16 autocast + activation checkpointing per Swin block. It
     python benchmarks/full_size_memory.py                        # + real full-size forwards (~20 TFLOP more)
     python benchmarks/full_size_memory.py --estimate_only        # seconds: estimate, traces, the PNG
 
+Part II, ``--model vit``: the ViT forecaster on whole 360x720 fields (20 channels, patch 8, 4050
+tokens), vit_base (23.8M) and vit_mp (350.1M) at 16 samples per GPU (NERSC's 64 over 4-way data
+parallelism), fp32 / bf16 / bf16 + AC block: the activations estimated vs traced under
+FakeTensorMode (CPU path: nothing is computed, the parameters are allocated but not initialised),
+then the estimate on the GPU path for one GPU (batch 16 and vit_mp's whole batch of 64) against
+40 and 80 GB. Seconds, and ~1.5 GB of memory for vit_mp's parameters; no PNG.
+
+    python benchmarks/full_size_memory.py --model vit
+
 The last line printed is one JSON object with every figure.
 """
 
@@ -172,8 +181,63 @@ def plot(estimates: dict, measured: dict, path: Path) -> None:
     plt.close(fig)
 
 
+VIT_CONFIGS = ("vit_base", "vit_mp")
+VIT_BATCH_PER_GPU = 16  # NERSC: global batch 64 over 4-way data parallelism
+
+
+def vit_config(name: str, setting: str, device: str = "cpu", batch: int = VIT_BATCH_PER_GPU):
+    return build_config(name, {**SETTINGS[setting], "device": device, "batch_size": batch})
+
+
+def vit_full_size(args) -> dict:
+    """Part II: the ViT's activations at full size, estimated and traced, and the GPU estimates."""
+    import dataclasses
+
+    from models import build_model
+    from utils.memory import loss_for
+    from utils.techniques import apply_ac
+
+    print(f"threads {torch.get_num_threads()}; GB = 1e9 bytes")
+    print(f"1. ViT activations at full size (360x720, 20 channels), batch {VIT_BATCH_PER_GPU}, CPU path: "
+          "estimate vs FakeTensor trace")
+    traced = {}
+    for name in VIT_CONFIGS:
+        base = vit_config(name, "fp32")
+        m = base.model
+        model_cfg = dataclasses.replace(m, mean=[0.0] * m.in_chans, std=[1.0] * m.in_chans)  # no data: any stats
+        with torch.device("meta"):  # shapes first: vit_mp's 350M parameters need no initialisation here
+            plain = build_model(model_cfg)
+        plain = plain.to_empty(device="cpu")
+        for setting in SETTINGS:  # AC comes last: once applied, it stays
+            cfg = vit_config(name, setting)
+            model = apply_ac(plain, cfg.train.ac)
+            shape = (VIT_BATCH_PER_GPU, m.in_chans, *m.img_size)
+            start = time.perf_counter()
+            saved = trace_saved_activations(model, shape, cfg.train.amp_dtype, loss_for(cfg)).bytes
+            estimate = estimate_memory(cfg, device_type="cpu").activations
+            traced[f"{name} {setting}"] = {"estimate": estimate / GB, "traced": saved / GB,
+                                           "seconds": time.perf_counter() - start}
+            print(f"  {name:8s} {setting:16s} estimate {estimate / GB:8.3f} GB, traced {saved / GB:8.3f} GB "
+                  f"({'equal' if estimate == saved else f'{(estimate - saved) / saved:+.2%}'}), "
+                  f"{time.perf_counter() - start:.1f} s", flush=True)
+    print("2. GPU path (modelled), GB per GPU: params+grads+optimizer | activations | temporary | total | fits 40/80 GB")
+    gpu = {}
+    for name, batch in (("vit_base", 16), ("vit_mp", 16), ("vit_mp", 64)):
+        for setting in SETTINGS:
+            e = estimate_memory(vit_config(name, setting, "cuda", batch), device_type="cuda")
+            gpu[f"{name} batch {batch} {setting}"] = e.to_json()
+            fits = "/".join("yes" if e.total <= size * GB else "no" for size in (40, 80))
+            print(f"  {name:8s} batch {batch:2d} {setting:16s} {(e.params + e.grads + e.optimizer) / GB:7.2f} "
+                  f"{e.activations / GB:8.2f} {e.temporary / GB:6.2f} {e.total / GB:8.2f}  {fits}  ({e.setting['attention']})")
+    summary = {"vit_activations_full_size_gb": traced, "vit_estimate_gpu": gpu, "threads": torch.get_num_threads()}
+    print(json.dumps(summary))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["swinir", "vit"], default="swinir",
+                        help="swinir: Part I (the default); vit: Part II's forecaster (estimate and traces only)")
     parser.add_argument("--step_size", type=size, default=(48, 96), metavar="HxW",
                         help="low-res size of the timed training steps")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per repeat (after one warm-up)")
@@ -185,6 +249,8 @@ def main(argv=None) -> int:
                         help="only the estimate, the FakeTensor traces and the PNG (seconds): no real runs")
     parser.add_argument("--png", default=str(REPO / "docs" / "memory_by_category.png"))
     args = parser.parse_args(argv)
+    if args.model == "vit":
+        return vit_full_size(args)
     if args.estimate_only:
         args.full_forward = False
     torch.manual_seed(0)

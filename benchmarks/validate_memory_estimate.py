@@ -1,14 +1,18 @@
-"""Predicted vs measured training memory on a grid of small SwinIR configs (utils/memory.py).
+"""Predicted vs measured training memory on a grid of small SwinIR and ViT configs (utils/memory.py).
 
 For each case the estimate (estimate_memory.py's numbers) is compared with a real training step:
 activations = bytes saved for backward (saved_tensors_hooks, one count per storage), and the peak
 = parameters + AdamW state + the rise of allocated memory during the step (CUDA: allocator
 statistics; CPU: the profiler's allocation trace). The grid varies input size (with and without
 padding), batch, activation checkpointing (none/block/layer), dtype (fp32/bf16), upsampler,
-residual connection and loss, on small models and on the tutorial's 11.75M SwinIR.
+residual connection and loss, on small models and on the tutorial's 11.75M SwinIR; for the ViT
+forecaster (its input is always the whole img_size field): size, patch, batch, AC (none/block),
+dtype (fp32/bf16/fp16), loss (NERSC's relative L2 on normalised fields, MSE), stochastic depth, and
+vit_short's width (embed 384, 8 heads) at a reduced field.
 
     python benchmarks/validate_memory_estimate.py                  # this machine's device
     python benchmarks/validate_memory_estimate.py --device cpu --quick
+    python benchmarks/validate_memory_estimate.py --model vit      # only the ViT rows
     python benchmarks/validate_memory_estimate.py --json           # one JSON object per case, then a summary
 
 Exit status 1 if an activation prediction is off by more than --tolerance (default 15 %).
@@ -46,7 +50,24 @@ GRID = [
     ("tutorial model bf16 AC block", TUTORIAL, dict(batch_size=1, amp_dtype="bf16", ac="block"), (24, 32)),
     ("tutorial model fp32", TUTORIAL, dict(batch_size=1), (16, 24)),
 ]
-QUICK = GRID[:6]
+
+# The ViT forecaster: 20 channels like NERSC's data; relative L2 on normalised fields unless said.
+VIT_SMALL = dict(model="vit", in_chans=20, img_size=[32, 64], patch_size=4, embed_dim=64, depths=[2],
+                 num_heads=[4], drop_path_rate=0.0)
+VIT_SHORT_REDUCED = dict(model="vit", in_chans=20, img_size=[90, 180], patch_size=6, embed_dim=384, depths=[2],
+                         num_heads=[8], drop_path_rate=0.0)  # vit_short's width, 2 of its 12 blocks
+VIT_GRID = [
+    ("ViT fp32", VIT_SMALL, dict(batch_size=2), None),
+    ("ViT bf16", VIT_SMALL, dict(batch_size=2, amp_dtype="bf16"), None),
+    ("ViT fp32 AC block", VIT_SMALL, dict(batch_size=2, ac="block"), None),
+    ("ViT bf16 AC block", VIT_SMALL, dict(batch_size=2, amp_dtype="bf16", ac="block"), None),
+    ("ViT bf16 64x128 p8, MSE, drop path", {**VIT_SMALL, "img_size": [64, 128], "patch_size": 8, "depths": [3]},
+     dict(batch_size=3, amp_dtype="bf16", loss="mse", loss_space="physical", drop_path_rate=0.1), None),
+    ("ViT fp16 AC block", VIT_SMALL, dict(batch_size=1, amp_dtype="fp16", ac="block"), None),
+    ("ViT width 384, 90x180 p6, fp32", VIT_SHORT_REDUCED, dict(batch_size=1), None),
+    ("ViT width 384, 90x180 p6, bf16", VIT_SHORT_REDUCED, dict(batch_size=2, amp_dtype="bf16"), None),
+]
+QUICK = GRID[:6] + VIT_GRID[:4]
 
 
 def relative_error(predicted: float, measured: float) -> float:
@@ -54,12 +75,15 @@ def relative_error(predicted: float, measured: float) -> float:
 
 
 def run_case(name, model, overrides, lr_size, device: torch.device) -> dict:
-    cfg = build_config("quickstart", {**model, **overrides, "device": device.type, "crop_size": 0})
+    """One row; ``lr_size`` None = the model's own input size (the ViT's img_size)."""
+    base = "vit_quickstart" if model.get("model") == "vit" else "quickstart"
+    cfg = build_config(base, {**model, **overrides, "device": device.type, "crop_size": 0})
     estimate = estimate_memory(cfg, lr_size=lr_size, device_type=device.type)
     start = time.perf_counter()
     measured = measure_config(cfg, lr_size, device)
     return {
-        "case": name, "lr_size": list(lr_size), "batch": cfg.train.batch_size, "amp_dtype": cfg.train.amp_dtype,
+        "case": name, "model": estimate.setting["model"], "lr_size": estimate.setting["lr_input"],
+        "batch": cfg.train.batch_size, "amp_dtype": cfg.train.amp_dtype,
         "ac": cfg.train.ac, "params": estimate.setting["num_params"],
         "activations_predicted_gb": estimate.activations / GB, "activations_measured_gb": measured.activations / GB,
         "activations_error": relative_error(estimate.activations, measured.activations),
@@ -74,7 +98,8 @@ def run_case(name, model, overrides, lr_size, device: torch.device) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--quick", action="store_true", help=f"only the first {len(QUICK)} cases (small models)")
+    parser.add_argument("--quick", action="store_true", help=f"only {len(QUICK)} cases (small models)")
+    parser.add_argument("--model", choices=["all", "swinir", "vit"], default="all", help="which model's rows")
     parser.add_argument("--tolerance", type=float, default=0.15, help="largest accepted relative activation error")
     parser.add_argument("--json", action="store_true", help="JSON lines instead of the table")
     args = parser.parse_args(argv)
@@ -89,7 +114,9 @@ def main(argv=None) -> int:
         print(f"{'case':34s} {'input':>8s} {'b':>2s} | {'act pred':>9s} {'measured':>9s} {'error':>7s} | "
               f"{'peak pred':>9s} {'measured':>9s} {'error':>7s}")
     results = []
-    for case in (QUICK if args.quick else GRID):
+    cases = QUICK if args.quick else GRID + VIT_GRID
+    cases = [c for c in cases if args.model in ("all", "vit" if c[1].get("model") == "vit" else "swinir")]
+    for case in cases:
         r = run_case(*case, device)
         results.append(r)
         if args.json:

@@ -1,5 +1,12 @@
-"""estimate_memory.py and utils/memory.py: the analytic estimate against measurements on CPU."""
+"""estimate_memory.py and utils/memory.py: the analytic estimate against measurements on CPU.
 
+SwinIR's activations are checked within the issue's 15 %, the ViT's to the byte (every term of its
+CPU path is exact: see utils/memory.py); the CUDA paths are modelled, and checked here only for
+their consequences (what fits a 40/80 GB GPU).
+"""
+
+import contextlib
+import dataclasses
 import json
 
 import pytest
@@ -9,8 +16,9 @@ import estimate_memory
 from models import build_model, count_parameters
 from tests.conftest import run_script
 from utils.config import ConfigError, build_config, load_named_configs
-from utils.memory import (SavedTensorBytes, SwinIRShape, build_for_measurement, estimate_memory as estimate,
-                          measure_config, measure_saved_activations, random_batch, trace_saved_activations)
+from utils.memory import (SavedTensorBytes, ViTShape, build_for_measurement, estimate_memory as estimate, loss_for,
+                          measure_config, measure_saved_activations, model_shape, random_batch,
+                          trace_saved_activations)
 from utils.training import run_cli
 
 # Small enough for a forward in a fraction of a second; two RSTBs with different head counts.
@@ -115,7 +123,14 @@ def test_parameter_count_is_exact_for_every_named_config(name):
 
 
 def assert_same_parameters(cfg):
-    shape, model = SwinIRShape.from_config(cfg.model), build_model(cfg.model)
+    # ViT configs leave mean/std to the data's statistics: any values build the same parameters.
+    m = cfg.model if cfg.model.mean else dataclasses.replace(cfg.model, mean=[0.0] * cfg.model.in_chans,
+                                                             std=[1.0] * cfg.model.in_chans)
+    # The ViT on the meta device (shapes only: vit_mp's 350M parameters cost no memory or init time);
+    # SwinIR builds its attention masks from data, so it needs a real device.
+    with torch.device("meta") if m.model == "vit" else contextlib.nullcontext():
+        model = build_model(m)
+    shape = model_shape(cfg.model)
     assert shape.num_params() == count_parameters(model)
     assert shape.num_param_tensors() == len(list(model.parameters()))  # AdamW's step counts
 
@@ -156,6 +171,99 @@ def test_per_rank_values_for_ddp_and_fsdp():
         estimate(build_config("full_size"), world_size=2, strategy="none")
 
 
+# ------------------------------------------------------------------ the ViT forecaster
+
+# Three channels of different scale, so that normalisation matters; 4x6 tokens of patch 4.
+TINY_VIT = dict(in_chans=3, img_size=[16, 24], patch_size=4, embed_dim=32, depths=[2], num_heads=[4],
+                mean=[1.0, 280.0, -3.0], std=[2.0, 20.0, 0.5], channel_names=[], key_channels=[],
+                drop_path_rate=0.0, batch_size=2, device="cpu")
+
+
+def tiny_vit_config(**overrides):
+    return build_config("vit_quickstart", {**TINY_VIT, **overrides})  # relative L2 on normalised fields
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(),
+    dict(amp_dtype="bf16"),
+    dict(ac="block"),
+    dict(amp_dtype="bf16", ac="block"),
+    dict(img_size=[32, 48], patch_size=8, embed_dim=48, num_heads=[3], batch_size=3),
+    dict(img_size=[32, 48], patch_size=8, embed_dim=48, num_heads=[3], amp_dtype="bf16", ac="block"),
+    dict(amp_dtype="fp16", depths=[3], drop_path_rate=0.1, loss="mse", loss_space="physical"),
+    dict(batch_size=1, loss="l1", loss_space="normalized", qkv_bias=False, mlp_ratio=2.0),
+])
+def test_vit_estimated_activations_equal_measured_to_the_byte(overrides):
+    cfg = tiny_vit_config(**overrides)
+    lr, hr = random_batch(cfg)
+    model = build_for_measurement(cfg)
+    measured = measure_saved_activations(model, lr, hr, cfg.train.amp_dtype, loss_for(cfg)).bytes
+    assert estimate(cfg, device_type="cpu").activations == measured
+    assert trace_saved_activations(model, tuple(lr.shape), cfg.train.amp_dtype, loss_for(cfg)).bytes == measured
+
+
+@pytest.mark.parametrize("amp_dtype, ac", [("none", "none"), ("bf16", "block")])
+def test_vit_bf16_parameters_equal_measured_to_the_byte(amp_dtype, ac):
+    # What FSDP2's param_dtype bf16 computes with: bf16 weights, a bf16 stream, on CPU bf16 LayerNorm statistics.
+    cfg = tiny_vit_config(amp_dtype=amp_dtype, ac=ac, param_dtype="bf16")
+    lr, hr = random_batch(cfg)
+    model = build_for_measurement(cfg).to(torch.bfloat16)
+    measured = measure_saved_activations(model, lr, hr, amp_dtype, loss_for(cfg)).bytes
+    assert estimate(cfg, 1, "fsdp", "cpu").activations == measured
+
+
+def test_vit_training_step_measured_against_estimate():
+    cfg = tiny_vit_config(img_size=[32, 64], embed_dim=64, amp_dtype="bf16", ac="block")
+    measured = measure_config(cfg)
+    predicted = estimate(cfg, device_type="cpu")
+    assert (predicted.params, predicted.grads, predicted.optimizer) == (measured.params, measured.grads,
+                                                                          measured.optimizer)
+    assert predicted.activations == measured.activations
+    assert 0 <= predicted.total - measured.peak <= 0.2 * measured.peak, (predicted.total, measured.peak)
+
+
+def test_vit_activations_at_full_size_equal_the_fake_tensor_trace():
+    # NERSC's 23.8M ViT at 360x720 (4050 tokens), batch 2, traced without computing anything.
+    for amp in ("none", "bf16"):
+        cfg = build_config("vit_base", {"batch_size": 2, "amp_dtype": amp, "device": "cpu"})
+        model = build_for_measurement(cfg)
+        traced = trace_saved_activations(model, (2, 20, 360, 720), amp, loss_for(cfg)).bytes
+        assert estimate(cfg, device_type="cpu").activations == traced
+    # Fused attention saves no tokens x tokens matrix: a fixed cost per token (4x the tokens, 4x the bytes).
+    per_token = [estimate(build_config("vit_base", {"img_size": size}), device_type="cuda").activations
+                 for size in ([360, 720], [720, 1440])]
+    assert per_token[1] / per_token[0] == pytest.approx(4.0, rel=0.01)
+
+
+def test_vit_mp_does_not_fit_one_gpu_without_model_parallelism():
+    def on_gpu(world_size=1, strategy="none", **overrides):
+        return estimate(build_config("vit_mp", overrides), world_size, strategy, "cuda")
+
+    fp32, bf16 = on_gpu(amp_dtype="none"), on_gpu()
+    assert bf16.setting["attention"] == "flash" and fp32.setting["attention"] == "efficient"
+    assert fp32.total > 300e9 and 80e9 < bf16.total < fp32.total  # the whole batch of 64 on one GPU
+    assert 40e9 < on_gpu(ac="block").total < 80e9
+    # NERSC's run: 4-way data parallel, 16 samples per GPU, AMP: out of memory on a 40 GB A100,
+    # 53-54 GiB used (nvidia-smi, CUDA context and allocator cache included) on an 80 GB one.
+    ddp = on_gpu(4, "ddp")
+    assert ddp.setting["batch_per_rank"] == 16 and 50e9 < ddp.total < 58e9
+    fsdp = on_gpu(4, "fsdp")
+    assert fsdp.optimizer == pytest.approx(ddp.optimizer / 4, rel=1e-3) and fsdp.activations == ddp.activations
+    shape = ViTShape.from_config(build_config("vit_mp").model)
+    assert shape.num_params() == 350_135_808 and shape.tokens == 4050
+    # Root of FSDP = patch embedding + position embedding + final norm + head; units = 12 blocks.
+    assert fsdp.params_detail["gathered_root"] == 4 * (shape.num_params() - 12 * shape.block_params()[1])
+
+
+def test_vit_rejects_what_it_cannot_do():
+    with pytest.raises(ConfigError, match="ac 'layer'"):
+        estimate(build_config("vit_base", {"ac": "layer"}), device_type="cuda")
+    with pytest.raises(ConfigError, match="fsdp_unit 'layer'"):
+        estimate(build_config("vit_base", {"fsdp_unit": "layer"}), 2, "fsdp", "cuda")
+    with pytest.raises(ConfigError, match="img_size"):
+        estimate(build_config("vit_base"), field=(720, 1440), device_type="cuda")
+
+
 # ------------------------------------------------------------------ the command line
 
 @pytest.mark.parametrize("name", list(load_named_configs()))
@@ -178,6 +286,18 @@ def test_table_with_overrides_and_fsdp(capsys):
         assert words in table, words
     assert estimate_memory.main(["--config", "full_size", "--field", "1440x2880", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["lr_input"] == [720, 1440]
+
+
+def test_vit_table_names_the_model_and_the_gpu_sizes(capsys):
+    assert estimate_memory.main(["--config", "vit_mp", "--device", "cuda"]) == 0
+    table = capsys.readouterr().out
+    for words in ("ViT training memory estimate — config vit_mp: 350,135,808 parameters", "patch 8 -> 4,050 tokens",
+                  "batch 64 per rank", "flash attention", "bf16 autocast", "fits 40 GB: no; fits 80 GB: no"):
+        assert words in table, words
+    assert estimate_memory.main(["--config", "vit_mp", "--device", "cuda", "--strategy", "fsdp", "--world_size", "4",
+                                 "--ac", "block", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["model"] == "ViT" and result["batch_per_rank"] == 16 and result["total_gb"] < 40
 
 
 def test_bad_input_is_one_line_and_exit_code_2(capsys):

@@ -1,4 +1,4 @@
-"""Training memory of SwinIR: an analytic estimate, and the measurements that check it.
+"""Training memory of SwinIR and of the ViT forecaster: an analytic estimate, and the measurements that check it.
 
 Estimate — :func:`estimate_memory` (what ``estimate_memory.py`` prints) adds up, per rank:
 
@@ -10,7 +10,13 @@ Estimate — :func:`estimate_memory` (what ``estimate_memory.py`` prints) adds u
   window attention → proj → residual → LayerNorm → MLP (GELU) → residual, the RSTB convolution,
   the body and the upsampler, and the loss. Windowed attention saves ``heads × window²`` values
   per pixel, so every term is proportional to the number of (padded) pixels: activation memory
-  grows linearly with the field, not quadratically as it would with global attention;
+  grows linearly with the field, not quadratically as it would with global attention.
+  The ViT (``models/vit.py``, :func:`vit_training_graph`): normalisation → patch-embedding
+  convolution → + position embedding, per block LayerNorm → q, k, v → SDPA → proj → residual →
+  LayerNorm → fc1 → GELU → fc2 → residual, then LayerNorm → head → unpatchify → de-normalisation,
+  and the loss (L1, MSE or NERSC's relative L2, in physical or normalised units). Its global
+  attention goes through fused SDPA kernels that save q, k, v, the output and a log-sum-exp per
+  row — not the tokens × tokens matrix — so it too grows linearly with the tokens;
 * temporary: the extra memory of the worst moment of the step on top of the held activations.
   The same layer list is walked as autograd walks it (:func:`simulate_peak`): forward adds what
   each layer saves; backward, in reverse, frees it once the layer's backward has run, re-creates
@@ -20,7 +26,7 @@ Estimate — :func:`estimate_memory` (what ``estimate_memory.py`` prints) adds u
 ``total = params + grads + optimizer + activations + temporary``: a slight upper bound on the peak,
 since gradients fill up while activations are freed during backward.
 
-Which terms are exact and which approximate, for the model and PyTorch 2.14 this was written for:
+Which terms are exact and which approximate, for the models and PyTorch 2.14/2.15 this was written for:
 
 * exact (equal to the byte on CPU in benchmarks/validate_memory_estimate.py; tests/test_memory.py
   asserts the issue's ±15 %): parameters, gradients, optimizer state, and every activation term on
@@ -28,18 +34,34 @@ Which terms are exact and which approximate, for the model and PyTorch 2.14 this
   upsamplers, 1conv/3conv, L1/MSE, stochastic depth. On CPU the model computes window attention
   explicitly (softmax(q kᵀ + bias) v, because the fused CPU kernel cannot return the bias gradient),
   which saves the attention probabilities: ``heads × window²`` values per pixel and block.
+  The ViT's activations are exact on CPU to the byte (tests/test_memory.py asserts equality, and
+  benchmarks/full_size_memory.py --model vit equality with a FakeTensor trace of vit_base and
+  vit_mp at full size): fp32, bf16/fp16 autocast, bf16 parameters, AC none/block, relative L2 / L1
+  / MSE in physical or normalised units, stochastic depth, any size and patch. On CPU SDPA runs its
+  flash kernel for every dtype (measured), saving q, k, v, the output and an fp32 log-sum-exp
+  per head and token. Under autocast the residual stream stays fp32 (the fp32 position embedding
+  and residual adds promote the bf16 outputs back), so LayerNorm saves fp32 inputs and q, k and v
+  each save their own bf16 cast of its output: three copies (autocast caches only leaf weights).
 * modelled, not measured here (no GPU on the machine that wrote this): the CUDA attention path.
   There the model calls ``scaled_dot_product_attention`` with the relative-position bias (+ shift
   mask) as a float mask that needs a gradient, which selects the memory-efficient kernel: it saves
   q, k, v (padded copies when the model pads the head dimension to the kernel's multiple of 8, as
   for the tutorial's 30), the output, the log-sum-exp and the bias itself (materialised per window
   for shifted blocks), not the probabilities; and CUDA autocast runs LayerNorm in fp32, so the residual stream
-  stays fp32. ``benchmarks/validate_memory_estimate.py`` on a GPU checks this path.
+  stays fp32. ``benchmarks/validate_memory_estimate.py`` on a GPU checks this path. For the ViT:
+  flash attention for fp16/bf16 (the same saved tensors as the CPU kernel, and two RNG-state
+  scalars, not counted), the memory-efficient kernel for fp32 (log-sum-exp padded to 32 rows),
+  the math fallback (which saves the tokens × tokens probabilities) only for head_dim % 8 != 0;
+  CUDA autocast's fp32 LayerNorm changes nothing there, the stream being fp32 already.
 * approximate: the temporary peak (which transients coexist is reasoned, not traced; on CPU the
   predicted total was within a few % of the measured peak for fp32/bf16), and the FSDP
   all-gather buffers (two units in flight plus the root's parameters). The total is an upper
   bound because it counts all gradients; on small inputs, where gradients weigh more, it
-  over-predicts by up to ~15 %. Not modelled: kernel workspaces — e.g. fp16 on CPU, where
+  over-predicts by up to ~15 %. The ViT's total over-predicted the measured CPU peak by +10 to
+  +24 % on the small models of validate_memory_estimate.py and bench_vit.py (22M parameters on a
+  96x192 field) and by +4 to +11 % where activations weigh more: without AC its peak is at the end
+  of forward, before any gradient exists, so the excess is about the gradients (vit_mp's 1.4 GB
+  are ~3 % of its 56 GB per GPU). Not modelled: kernel workspaces — e.g. fp16 on CPU, where
   convolutions fall back to an im2col kernel whose buffers add ~20 % to the peak (fp16 is for GPUs;
   use bf16 on CPU).
 
@@ -62,6 +84,7 @@ Measure — the same quantities on any device, without trusting the estimate:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 import weakref
@@ -70,7 +93,6 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from utils.config import Config, ConfigError, img_hw
@@ -223,12 +245,101 @@ class SwinIRShape:
         tensors += self.num_blocks * per_block + 2 * convs * (len(self.depths) + 1) + 2 * head
         return tensors
 
-    def check_supported(self) -> None:
+    name = "SwinIR"
+
+    def check_supported(self, ac: str = "none", fsdp_unit: str = "block") -> None:
         s = self.upscale
         if self.upsampler == "pixelshuffle" and not (s & (s - 1) == 0 or s == 3):
             raise ConfigError(f"upscale {s} is not supported by upsampler 'pixelshuffle': use 2^n or 3")
         if self.upsampler == "nearest+conv" and s not in (2, 4):
             raise ConfigError(f"upscale {s} is not supported by upsampler 'nearest+conv': use 2 or 4")
+
+    def fsdp_units(self, unit: str) -> list[int]:
+        """Parameters of each FSDP unit: every Swin block, or every RSTB (its blocks and convolution)."""
+        if unit == "block":
+            return [self.block_params(h)[1] for d, h in zip(self.depths, self.num_heads) for _ in range(d)]
+        return [sum(self.block_params(h)[1] for _ in range(d)) + self.rstb_conv_params()[1]
+                for d, h in zip(self.depths, self.num_heads)]
+
+    def cast_weights(self, ac: str) -> int:
+        """Linear/conv weights whose autocast copies stay saved: those used outside checkpointed units."""
+        block_w = sum(d_ * self.block_params(h)[0] for d_, h in zip(self.depths, self.num_heads))
+        rstb_w = len(self.depths) * self.rstb_conv_params()[0]
+        outside_ac = self.stem_params()[0] + self.body_params()[0] + self.head_params()[0]
+        return outside_ac + {"none": block_w + rstb_w, "block": rstb_w, "layer": 0}[ac]
+
+
+@dataclass(frozen=True)
+class ViTShape:
+    """What the memory of the ViT forecaster depends on (models/vit.py), read from the config's model section."""
+
+    in_chans: int
+    img_size: tuple[int, int]
+    patch_size: int
+    embed_dim: int
+    depth: int
+    num_heads: int
+    hidden: int
+    qkv_bias: bool
+    drop_path_rate: float
+
+    @classmethod
+    def from_config(cls, m) -> "ViTShape":
+        return cls(m.in_chans, img_hw(m), m.patch_size, m.embed_dim, m.depths[0], m.num_heads[0],
+                   int(m.embed_dim * m.mlp_ratio), m.qkv_bias, m.drop_path_rate)
+
+    name = "ViT"
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per sample: one per patch of the whole field."""
+        return (self.img_size[0] // self.patch_size) * (self.img_size[1] // self.patch_size)
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    # ------------------------------------------------------------------ parameters (exact)
+
+    def block_params(self) -> tuple[int, int]:
+        """(weights that autocast casts, all parameters) of one transformer block."""
+        d, h = self.embed_dim, self.hidden
+        qkv = (3 * d * d, 3 * d * d + (3 * d if self.qkv_bias else 0))
+        matmul, total = _add(qkv, _conv(d, d, 1), _conv(d, h, 1), _conv(h, d, 1))
+        return matmul, total + 4 * d  # + norm1, norm2
+
+    def stem_params(self) -> tuple[int, int]:
+        """Patch-embedding convolution and the position embedding (added, not cast)."""
+        w, total = _conv(self.in_chans, self.embed_dim, self.patch_size)
+        return w, total + self.tokens * self.embed_dim
+
+    def end_params(self) -> tuple[int, int]:
+        """Final LayerNorm and the head (no bias)."""
+        w = self.embed_dim * self.in_chans * self.patch_size ** 2
+        return w, w + 2 * self.embed_dim
+
+    def num_params(self) -> int:
+        return self.stem_params()[1] + self.depth * self.block_params()[1] + self.end_params()[1]
+
+    def num_param_tensors(self) -> int:
+        """AdamW keeps a step count per tensor: conv 2, pos_embed 1, final norm 2, head 1; per block
+        2 LayerNorms x 2, q/k/v weights (and biases), proj, fc1, fc2 x 2."""
+        return 6 + self.depth * (10 + 3 * (1 + self.qkv_bias))
+
+    def fsdp_units(self, unit: str) -> list[int]:
+        """Parameters of each FSDP unit: every transformer block (the root keeps the rest)."""
+        return [self.block_params()[1]] * self.depth
+
+    def cast_weights(self, ac: str) -> int:
+        """Linear/conv weights whose autocast copies stay saved: those used outside checkpointed blocks."""
+        outside = self.stem_params()[0] + self.end_params()[0]
+        return outside + (self.depth * self.block_params()[0] if ac == "none" else 0)
+
+    def check_supported(self, ac: str = "none", fsdp_unit: str = "block") -> None:
+        if ac == "layer":
+            raise ConfigError("ac 'layer' checkpoints SwinIR's RSTBs; the ViT has one stage: use ac block or none")
+        if fsdp_unit == "layer":
+            raise ConfigError("fsdp_unit 'layer' shards SwinIR's RSTBs; the ViT's FSDP unit is the block")
 
 
 # =============================================================================================
@@ -411,7 +522,7 @@ def _upsampler(shape: SwinIRShape, a: int, tokens: int) -> list[Layer]:
 
 
 def training_graph(shape: SwinIRShape, p: Precision, kernel: str, ac: str, batch: int, padded: tuple[int, int],
-                   out_pixels: int, loss: str) -> list[Layer]:
+                   out_pixels: int, loss: str, loss_space: str = "physical") -> list[Layer]:
     """SwinIR's training step as a list of layers in forward order (models/swinir.py: SwinIR.forward)."""
     c, a, st = shape.embed_dim, p.matmul, p.stream
     tokens = batch * padded[0] * padded[1]
@@ -436,10 +547,130 @@ def training_graph(shape: SwinIRShape, p: Precision, kernel: str, ac: str, batch
     graph += [Layer("body", tokens * (c * st + LN_STATS_BYTES), tokens * c * a, tokens * 3 * c * a),  # norm
               Layer("body", tokens * _resi_conv(shape, a), tokens * c * a, tokens * 3 * c * a)]   # conv_after_body
     graph += _upsampler(shape, a, tokens)
-    # The fp32 L1 loss saves pred - target (for |.|'s gradient); MSE saves prediction and target. The
-    # cropped fp32 prediction and the loss's intermediate exist in forward; their gradients in backward.
-    hr = out_pixels * shape.in_chans * 4
-    graph.append(Layer("loss", hr * (1 if loss == "l1" else 2), 2 * hr, 2 * hr))
+    # The cropped fp32 prediction and the loss's intermediate exist in forward; their gradients in backward.
+    graph.append(loss_layer(loss, loss_space, out_pixels * shape.in_chans * 4, batch, shape.in_chans))
+    return graph
+
+
+# ------------------------------------------------------------------ the ViT (models/vit.py)
+
+
+@dataclass(frozen=True)
+class ViTPrecision:
+    """Bytes per element of the tensors the ViT's training step saves."""
+
+    matmul: int
+    """Linear/conv inputs, SDPA's q, k, v and output, the MLP's hidden activations (the compute dtype)."""
+    stream: int
+    """The residual stream: the parameters' dtype, since adding the fp32 position embedding to the
+    autocast conv output (and the blocks' outputs to it) promotes back to it."""
+    norm: int
+    """LayerNorm's saved input and its output: CUDA autocast runs it in fp32, elsewhere the stream's dtype."""
+    weight_copies: bool
+    """Autocast saves a low-precision copy of every linear/conv weight it casts."""
+    label: str
+    stats: int = LN_STATS_BYTES
+    """LayerNorm's mean and 1/std per token: fp32, except on CPU with bf16 weights (then bf16, measured)."""
+
+
+def vit_precision(device_type: str, amp_dtype: str, param_dtype: str = "fp32") -> ViTPrecision:
+    """How a device and the mixed-precision settings type the ViT's saved tensors (measured on CPU)."""
+    param = DTYPE_BYTES[param_dtype]
+    autocast_on = amp_dtype != "none"
+    low = DTYPE_BYTES[amp_dtype] if autocast_on else param
+    if low == 4:
+        return ViTPrecision(4, 4, 4, False, "fp32")
+    label = amp_dtype if autocast_on else f"{param_dtype} parameters"
+    if autocast_on and device_type == "cuda":
+        return ViTPrecision(low, param, 4, param == 4, f"{label} autocast (LayerNorm in fp32)")
+    stream_note = ", fp32 residual stream" if param == 4 else ""
+    stats = LN_STATS_BYTES if device_type == "cuda" or param == 4 else 2 * param
+    return ViTPrecision(low, param, param, autocast_on and param == 4,
+                        f"{label} autocast{stream_note}" if autocast_on else label, stats)
+
+
+def vit_attention_kernel(device_type: str, p: ViTPrecision, head_dim: int) -> str:
+    """Which SDPA backend trains the ViT (no mask, no dropout).
+
+    CPU: the flash kernel for every dtype (measured: ScaledDotProductFlashAttentionForCpuBackward).
+    CUDA: flash for fp16/bf16 with head_dim a multiple of 8 up to 256; the memory-efficient kernel
+    for fp32; the math fallback (which saves the attention matrix) otherwise.
+    """
+    if device_type == "cpu":
+        return "flash (CPU)"
+    if head_dim % 8:
+        return "math"
+    return "flash" if p.matmul == 2 and head_dim <= 256 else "efficient"
+
+
+def loss_layer(loss: str, loss_space: str, pred_bytes: float, batch: int, channels: int) -> Layer:
+    """The loss on the fp32 prediction (``pred_bytes`` = one fp32 copy of the predicted batch).
+
+    L1 saves pred - target (for |.|'s gradient); MSE saves prediction and target; relative L2 saves
+    pred - target and the fp32 norms per sample (of the difference, and of the target for the
+    division). In normalised space, dividing the prediction by std saves that (channels,) tensor,
+    and the normalised prediction and target exist in forward, their gradients in backward.
+    """
+    saved = {"l1": pred_bytes, "mse": 2 * pred_bytes, "relative_l2": pred_bytes + 2 * 4 * batch}[loss]
+    extra = 2 * pred_bytes
+    if loss_space == "normalized":
+        saved += 4 * channels
+        extra += pred_bytes
+    return Layer("loss", saved, extra, extra)
+
+
+def vit_training_graph(shape: ViTShape, p: ViTPrecision, kernel: str, ac: str, batch: int, loss: str,
+                       loss_space: str) -> list[Layer]:
+    """The ViT's training step as a list of layers in forward order (models/vit.py: ViT.forward).
+
+    Per token and block, fp32: the block input (saved by norm1), LayerNorm statistics, norm1's
+    output (shared by q, k and v), q, k, v and the SDPA output (proj's input: a view), the
+    log-sum-exp, the mid-block residual (norm2), norm2's output, fc1's output (GELU's input) and
+    GELU's output (fc2's input): 16 x D fp32 values + 8 + 4 x heads bytes. Under autocast with fp32
+    parameters, q, k and v each cast the LayerNorm output again (three copies, not one: autocast
+    caches only leaf weights) and the stream stays fp32.
+    """
+    d, hid, a, st, ln = shape.embed_dim, shape.hidden, p.matmul, p.stream, p.norm
+    tokens = shape.tokens
+    t = batch * tokens
+    field = batch * shape.in_chans * shape.img_size[0] * shape.img_size[1]  # values in a batch of fields
+    casts = 1 if ln == a else 3  # copies of the LayerNorm output that q, k, v save as their input
+    skip = t * d * st  # the residual stream's gradient, waiting while a branch's backward runs
+    if kernel == "math":  # scaled q and k, v, the probabilities; proj's input is a copy of the output
+        attention = t * 4 * d * a + batch * shape.num_heads * tokens * tokens * a
+    else:  # q, k, v, the output (proj's input is a view of it) and the fp32 log-sum-exp
+        lse = tokens if kernel != "efficient" else math.ceil(tokens / 32) * 32  # padded to 32 rows
+        attention = t * 4 * d * a + batch * shape.num_heads * lse * 4
+
+    graph = [  # patch embedding: the convolution saves its (normalised, cast) input; + position embedding
+        Layer("patch_embed", field * a, t * d * a + field * 4, t * d * a + skip),
+        Layer("patch_embed", 0.0, skip, 2 * skip),
+    ]
+    for i in range(shape.depth):
+        unit = i if ac == "block" else None
+        drop_path = shape.drop_path_rate > 0 and i > 0  # rates linspace(0, r): block 0 has none
+        block = [
+            # the block input: held by checkpointing, else saved by norm1 (unless it saves an fp32 copy)
+            Layer("blocks", t * d * st if ac == "block" or ln == st else 0.0, unit_input=True),
+            Layer("blocks", t * (p.stats + (d * ln if ln != st else 0)),         # norm1
+                  t * d * ln, t * d * (2 * ln + st) + skip),
+            Layer("blocks", t * casts * d * a, t * 3 * d * a, t * (3 * d * a + d * a + 2 * d * ln) + skip),  # q, k, v
+            Layer("blocks", attention, t * d * a, t * 4 * d * a + skip),                 # SDPA
+            Layer("blocks", 2 * batch * a if drop_path else 0.0, t * d * a, 2 * t * d * a + skip),  # proj, residual
+            Layer("blocks", t * (d * ln + p.stats), t * d * (st + ln), t * d * (a + 2 * ln + st) + skip),  # norm2
+            Layer("blocks", t * d * a, t * hid * a, t * (hid + d) * a + skip),           # fc1: its (cast) input
+            Layer("blocks", t * hid * a, t * hid * a, 2 * t * hid * a + skip),           # GELU: its input
+            Layer("blocks", t * hid * a, t * d * a, t * (hid + d) * a + skip),           # fc2: its input
+        ]
+        for op in block:
+            op.unit = unit
+            op.unit_input = op.unit_input and ac == "block"
+        graph += block
+    graph += [  # final norm (input, statistics), head (its input); unpatchify and de-normalisation save nothing
+        Layer("head", t * (d * ln + p.stats), t * d * ln, t * d * (a + 2 * ln) + skip),
+        Layer("head", t * d * a, 2 * field * a + 2 * field * 4, 2 * field * a + 2 * field * 4),
+        loss_layer(loss, loss_space, field * 4, batch, shape.in_chans),
+    ]
     return graph
 
 
@@ -486,6 +717,18 @@ def simulate_peak(graph: list[Layer]) -> tuple[float, float]:
     return peak_forward, peak_backward
 
 
+def model_shape(model_cfg) -> "SwinIRShape | ViTShape":
+    """The shape the estimate needs of the config's model (``model: swinir`` or ``vit``)."""
+    return ViTShape.from_config(model_cfg) if model_cfg.model == "vit" else SwinIRShape.from_config(model_cfg)
+
+
+def input_size(cfg: Config, field: Optional[tuple[int, int]] = None) -> tuple[int, int]:
+    """Height and width of the model's input: the ViT's img_size (its only size), SwinIR's low-res input."""
+    if cfg.model.model == "vit":
+        return img_hw(cfg.model)
+    return lr_input_size(cfg, field)
+
+
 def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", device_type: Optional[str] = None,
                     field: Optional[tuple[int, int]] = None, lr_size: Optional[tuple[int, int]] = None) -> MemoryEstimate:
     """Predicted peak training memory of one rank for a config (see the module docstring).
@@ -493,7 +736,8 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
     ``strategy``: "none" (one device, train.py), "ddp" or "fsdp" over ``world_size`` ranks; the
     config's batch_size is global, so each rank holds the activations of batch_size / world_size.
     ``device_type`` picks the attention path (default: cfg.train.device, "auto" = CUDA if present).
-    ``lr_size`` overrides the input size (else it follows crop_size, or the whole ``field``).
+    ``lr_size`` overrides SwinIR's input size (else it follows crop_size, or the whole ``field``);
+    the ViT's input is always its img_size (its position embedding is made for it).
     """
     if strategy not in ("none", "ddp", "fsdp"):
         raise ConfigError(f"strategy {strategy!r} is not one of none, ddp, fsdp")
@@ -506,29 +750,38 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
                           f"{world_size} ranks; use a multiple of {world_size}")
     if device_type is None:
         device_type = cfg.train.device if cfg.train.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    shape = SwinIRShape.from_config(cfg.model)
-    shape.check_supported()
+    shape = model_shape(cfg.model)
     d = cfg.dist
-    param_dtype = d.param_dtype if strategy == "fsdp" else "fp32"
-    p = precision_for(device_type, cfg.train.amp_dtype, param_dtype)
-    kernel = attention_kernel(device_type)
     ac = cfg.train.ac
+    shape.check_supported(ac, d.fsdp_unit if strategy == "fsdp" else "block")
+    param_dtype = d.param_dtype if strategy == "fsdp" else "fp32"
+    batch = cfg.train.batch_size // world_size
 
     # ---------------------------------------------------------------------- activations
-    batch = cfg.train.batch_size // world_size
-    height, width = lr_size or lr_input_size(cfg, field)
-    pm = shape.pad_multiple
-    padded = (math.ceil(height / pm) * pm, math.ceil(width / pm) * pm)
-    out_pixels = batch * height * shape.scale * width * shape.scale
-    graph = training_graph(shape, p, kernel, ac, batch, padded, out_pixels, cfg.train.loss)
+    if isinstance(shape, ViTShape):
+        vit = img_hw(cfg.model)
+        if field or (lr_size and tuple(lr_size) != vit):
+            raise ConfigError(f"the ViT's input is its img_size {vit[0]}x{vit[1]} (no crops, no --field): "
+                              "set --img_size instead")
+        height, width = padded = vit
+        p = vit_precision(device_type, cfg.train.amp_dtype, param_dtype)
+        kernel = vit_attention_kernel(device_type, p, shape.head_dim)
+        graph = vit_training_graph(shape, p, kernel, ac, batch, cfg.train.loss, cfg.train.loss_space)
+        tokens = batch * shape.tokens
+    else:
+        p = precision_for(device_type, cfg.train.amp_dtype, param_dtype)
+        kernel = attention_kernel(device_type)
+        height, width = lr_size or lr_input_size(cfg, field)
+        pm = shape.pad_multiple
+        padded = (math.ceil(height / pm) * pm, math.ceil(width / pm) * pm)
+        out_pixels = batch * height * shape.scale * width * shape.scale
+        graph = training_graph(shape, p, kernel, ac, batch, padded, out_pixels, cfg.train.loss, cfg.train.loss_space)
+        tokens = batch * padded[0] * padded[1]
     parts = held_after_forward(graph)
-    parts.setdefault("rstb_convs", 0.0)
+    if isinstance(shape, SwinIRShape):
+        parts.setdefault("rstb_convs", 0.0)
     # Autocast saves a low-precision copy of each linear/conv weight used outside checkpointed units.
-    block_w = sum(d_ * shape.block_params(h)[0] for d_, h in zip(shape.depths, shape.num_heads))
-    rstb_w = len(shape.depths) * shape.rstb_conv_params()[0]
-    outside_ac = shape.stem_params()[0] + shape.body_params()[0] + shape.head_params()[0]
-    outside_ac += {"none": block_w + rstb_w, "block": rstb_w, "layer": 0}[ac]
-    parts["autocast_weight_copies"] = 2.0 * outside_ac if p.weight_copies else 0.0
+    parts["autocast_weight_copies"] = 2.0 * shape.cast_weights(ac) if p.weight_copies else 0.0
     activations = sum(parts.values())
 
     # ---------------------------------------------------------------------- temporary peak
@@ -556,12 +809,15 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
     optimizer = num_params * ADAMW_STATE_BYTES / shard + shape.num_param_tensors() * ADAMW_STEP_BYTES
 
     setting = {
-        "config": cfg.name, "strategy": strategy, "world_size": world_size, "batch_per_rank": batch,
-        "lr_input": [height, width], "padded_input": list(padded), "tokens_per_rank": batch * padded[0] * padded[1],
+        "model": shape.name, "config": cfg.name, "strategy": strategy, "world_size": world_size,
+        "batch_per_rank": batch, "lr_input": [height, width], "padded_input": list(padded), "tokens_per_rank": tokens,
         "amp_dtype": cfg.train.amp_dtype, "ac": ac, "device_type": device_type, "attention": kernel,
         "precision": p.label, "num_params": num_params,
     }
-    if not lr_size and not cfg.data.crop_size:
+    if isinstance(shape, ViTShape):
+        setting.update(patch_size=shape.patch_size, tokens_per_sample=shape.tokens, loss=cfg.train.loss,
+                       loss_space=cfg.train.loss_space)
+    elif not lr_size and not cfg.data.crop_size:
         size, source = (field, "set by --field") if field else field_size_of(cfg)
         setting["field"], setting["field_source"] = list(size), source
     if strategy == "fsdp":
@@ -569,15 +825,14 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
     return MemoryEstimate(params, grads, optimizer, activations, temporary, parts, phases, params_detail, setting)
 
 
-def _fsdp_params(shape: SwinIRShape, num_params: int, shard: int, param_bytes: int, unit: str,
+def _fsdp_params(shape, num_params: int, shard: int, param_bytes: int, unit: str,
                  reshard_after_forward: bool) -> tuple[dict[str, float], int]:
     """FSDP2 parameters per rank: fp32 shards, plus the unsharded (all-gathered, param_dtype) copies of
     the root's parameters and of the units in flight; and the parameter count of the largest unit."""
-    blocks = [shape.block_params(h)[1] for d, h in zip(shape.depths, shape.num_heads) for _ in range(d)]
-    rstb = [sum(shape.block_params(h)[1] for _ in range(d)) + shape.rstb_conv_params()[1]
-            for d, h in zip(shape.depths, shape.num_heads)]
-    units = blocks if unit == "block" else rstb
-    root = num_params - sum(units)  # stem, body, upsampler (and RSTB convs for unit "block")
+    units = shape.fsdp_units(unit)
+    # SwinIR's root: stem, body, upsampler (and RSTB convs for unit "block"); the ViT's: patch and
+    # position embeddings, final norm, head.
+    root = num_params - sum(units)
     # The current unit and the prefetched next one; without resharding, every unit stays gathered.
     in_flight = 2 * max(units) if reshard_after_forward else sum(units)
     detail = {"sharded_fp32": num_params * 4.0 / shard, "gathered_root": root * float(param_bytes),
@@ -643,8 +898,27 @@ def _model_tensors(model: nn.Module) -> list[torch.Tensor]:
     return list(model.parameters()) + list(model.buffers())
 
 
-def _loss_fn(name: str):
-    return {"l1": F.l1_loss, "mse": F.mse_loss}[name]
+def _with_statistics(cfg: Config) -> Config:
+    """The config with mean/std 0 and 1 where it leaves them to the data's statistics (the ViT's):
+    the same tensors are saved whatever the values."""
+    m = cfg.model
+    if m.mean:
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, mean=[0.0] * m.in_chans, std=[1.0] * m.in_chans))
+
+
+def loss_for(cfg: Config):
+    """The loss train.py computes (utils.training.build_loss: train.loss in train.loss_space)."""
+    from utils.training import build_loss
+
+    return build_loss(_with_statistics(cfg))
+
+
+def _loss_fn(loss):
+    """A loss function, or the name of one (in physical units)."""
+    from utils.training import LOSSES
+
+    return loss if callable(loss) else LOSSES[loss]
 
 
 def _autocast(device: torch.device, amp_dtype: str):
@@ -653,8 +927,8 @@ def _autocast(device: torch.device, amp_dtype: str):
     return autocast(device, amp_dtype)
 
 
-def forward_and_loss(model: nn.Module, lr: torch.Tensor, hr: torch.Tensor, amp_dtype: str, loss: str) -> torch.Tensor:
-    """The forward half of train.py's step: model under autocast, the loss in fp32."""
+def forward_and_loss(model: nn.Module, lr: torch.Tensor, hr: torch.Tensor, amp_dtype: str, loss="l1") -> torch.Tensor:
+    """The forward half of train.py's step: model under autocast, the loss (a name or :func:`loss_for`) in fp32."""
     with _autocast(lr.device, amp_dtype):
         pred = model(lr)
     return _loss_fn(loss)(pred.float(), hr)
@@ -676,7 +950,7 @@ def _fresh_mask_cache():
 
 
 def trace_saved_activations(model: nn.Module, lr_shape: tuple[int, ...], amp_dtype: str = "none",
-                            loss: str = "l1", device: str = "cpu") -> SavedTensorBytes:
+                            loss="l1", device: str = "cpu") -> SavedTensorBytes:
     """Saved bytes of forward + loss for an input of ``lr_shape``, without computing anything.
 
     Parameters, buffers and the input become fake tensors (shape, dtype and device only) and the
@@ -785,7 +1059,7 @@ class _MarkList(list):
 
 
 def measure_training_memory(model: nn.Module, lr: torch.Tensor, hr: torch.Tensor, amp_dtype: str = "none",
-                            loss: str = "l1", optimizer: Optional[torch.optim.Optimizer] = None) -> MeasuredMemory:
+                            loss="l1", optimizer: Optional[torch.optim.Optimizer] = None) -> MeasuredMemory:
     """Measure one training step of ``model`` (already on lr's device, AC already applied).
 
     A first step allocates AdamW's state; the second, with gradients set to None as in train.py,
@@ -826,7 +1100,7 @@ def measure_training_memory(model: nn.Module, lr: torch.Tensor, hr: torch.Tensor
 
 
 def measure_saved_activations(model: nn.Module, lr: torch.Tensor, hr: torch.Tensor, amp_dtype: str = "none",
-                              loss: str = "l1", hold: bool = False) -> SavedTensorBytes:
+                              loss="l1", hold: bool = False) -> SavedTensorBytes:
     """Saved bytes of one real forward + loss; ``hold=False`` frees them at once (no backward)."""
     model.train()
     counter = SavedTensorBytes(exclude=_model_tensors(model), hold=hold)
@@ -835,14 +1109,16 @@ def measure_saved_activations(model: nn.Module, lr: torch.Tensor, hr: torch.Tens
     return counter
 
 
-def random_batch(cfg: Config, lr_size: tuple[int, int], device="cpu", batch: Optional[int] = None):
-    """(lr, hr) of the config's shapes, in physical units around the config's mean and std."""
+def random_batch(cfg: Config, lr_size: Optional[tuple[int, int]] = None, device="cpu", batch: Optional[int] = None):
+    """(input, target) of the config's shapes, in physical units around the config's mean and std
+    (0 and 1 where the config leaves them to the data). ``lr_size``: default the model's input size."""
     m = cfg.model
     batch = batch or cfg.train.batch_size
-    scale = m.upscale if m.upsampler else 1
+    lr_size = lr_size or input_size(cfg)
+    scale = m.upscale if m.upsampler and m.model == "swinir" else 1  # the ViT forecasts the same grid
     g = torch.Generator().manual_seed(0)
-    mean = torch.tensor(m.mean).view(1, -1, 1, 1)
-    std = torch.tensor(m.std).view(1, -1, 1, 1)
+    mean = torch.tensor(m.mean or [0.0] * m.in_chans).view(1, -1, 1, 1)
+    std = torch.tensor(m.std or [1.0] * m.in_chans).view(1, -1, 1, 1)
     lr = torch.randn(batch, m.in_chans, *lr_size, generator=g) * std + mean
     hr = torch.randn(batch, m.in_chans, lr_size[0] * scale, lr_size[1] * scale, generator=g) * std + mean
     return lr.to(device), hr.to(device)
@@ -854,18 +1130,19 @@ def build_for_measurement(cfg: Config, device="cpu") -> nn.Module:
     from utils.techniques import apply_ac
 
     torch.manual_seed(cfg.train.seed)
-    return apply_ac(build_model(cfg.model).to(device), cfg.train.ac)
+    return apply_ac(build_model(_with_statistics(cfg).model).to(device), cfg.train.ac)
 
 
-def measure_config(cfg: Config, lr_size: tuple[int, int], device="cpu") -> MeasuredMemory:
-    """:func:`measure_training_memory` of the config's model, AC, amp_dtype and loss at one input size."""
+def measure_config(cfg: Config, lr_size: Optional[tuple[int, int]] = None, device="cpu") -> MeasuredMemory:
+    """:func:`measure_training_memory` of the config's model, AC, amp_dtype and loss at one input size
+    (default: the model's input size, :func:`input_size`)."""
     lr, hr = random_batch(cfg, lr_size, device)
     model = build_for_measurement(cfg, device)
-    return measure_training_memory(model, lr, hr, cfg.train.amp_dtype, cfg.train.loss)
+    return measure_training_memory(model, lr, hr, cfg.train.amp_dtype, loss_for(cfg))
 
 
 def time_training_step(model: nn.Module, lr: torch.Tensor, hr: torch.Tensor, amp_dtype: str = "none",
-                       loss: str = "l1", steps: int = 3, warmup: int = 1) -> list[float]:
+                       loss="l1", steps: int = 3, warmup: int = 1) -> list[float]:
     """Seconds of each timed training step (forward, backward, AdamW), after ``warmup`` steps."""
     device = lr.device
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device.type == "cuda")
