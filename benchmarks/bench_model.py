@@ -160,6 +160,26 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, min_seconds: float = 0
     return max((matmul_rate(device, dtype, n, min_seconds), n) for n in sizes)
 
 
+
+def timed_steps(step, flops_per_step: float, device: torch.device, dtype: torch.dtype, peak_n: int, steps: int,
+                peak_seconds: float) -> tuple[list[float], float, float]:
+    """(seconds of each step, median matmul peak, median fraction of it) over ``steps`` calls of ``step``.
+
+    Each timed step is paired with a matmul measurement right after it, so that a slow moment of
+    a shared machine (another process, a VM's stolen time) lowers both and not just the step.
+    """
+    times, rates = [], []
+    for _ in range(steps):
+        synchronize(device)
+        start = time.perf_counter()
+        step()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+        rates.append(matmul_rate(device, dtype, peak_n, peak_seconds / 3))
+    fraction = statistics.median(flops_per_step / t / rate for t, rate in zip(times, rates))
+    return times, statistics.median(rates), fraction
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
@@ -207,19 +227,9 @@ def main(argv=None) -> int:
 
     for _ in range(args.warmup):
         step()
-    # Each timed step is paired with a matmul measurement right after it, so that a slow moment of
-    # a shared machine (another process, a VM's stolen time) lowers both and not just the step.
-    times, rates = [], []
-    for _ in range(args.steps):
-        synchronize(device)
-        start = time.perf_counter()
-        step()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-        rates.append(matmul_rate(device, dtype, peak_n, args.peak_seconds / 3))
+    times, peak_flops, fraction = timed_steps(step, flops_per_step, device, dtype, peak_n, args.steps,
+                                              args.peak_seconds)
     sec_per_step = statistics.median(times)
-    peak_flops = statistics.median(rates)
-    fraction = statistics.median(flops_per_step / t / rate for t, rate in zip(times, rates))
     if dtype == torch.bfloat16:
         bf16_peak = peak_flops
     else:

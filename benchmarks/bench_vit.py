@@ -32,7 +32,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -40,8 +39,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_model import (DTYPES, cpu_description, matmul_peak, matmul_rate, supports_bf16_matmul,  # noqa: E402
-                         synchronize)
+from bench_model import DTYPES, cpu_description, matmul_peak, supports_bf16_matmul, timed_steps  # noqa: E402
 from models import count_parameters  # noqa: E402
 from utils.config import ConfigError, build_config  # noqa: E402
 from utils.memory import (GB, build_for_measurement, estimate_memory, loss_for,  # noqa: E402
@@ -143,17 +141,9 @@ def main(argv=None) -> int:
     flops_per_step = counter.get_total_flops()
     for _ in range(max(args.warmup - 1, 0)):
         step()
-    times, rates = [], []
-    for _ in range(args.steps):
-        synchronize(device)
-        start = time.perf_counter()
-        step()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-        rates.append(matmul_rate(device, peak_dtype, peak_n, args.peak_seconds / 3))
+    times, peak_flops, fraction = timed_steps(step, flops_per_step, device, peak_dtype, peak_n, args.steps,
+                                              args.peak_seconds)
     sec_per_step = statistics.median(times)
-    peak_flops = statistics.median(rates)
-    fraction = statistics.median(flops_per_step / t / rate for t, rate in zip(times, rates))
 
     memory = None
     if args.memory:

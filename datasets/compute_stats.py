@@ -158,7 +158,7 @@ def _write_atomically(out: Path, arrays: dict[str, np.ndarray]) -> None:
         raise
 
 
-class _OneLineParser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a usage error as one line (not the usage block)."""
 
     def error(self, message: str):
@@ -166,7 +166,7 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = _OneLineParser(
+    parser = OneLineParser(
         description="Per-channel mean/std and time-mean field of a split, streamed: <data_dir>/stats/*.npy.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

@@ -71,9 +71,9 @@ import numpy as np
 from tqdm import tqdm
 
 if __package__:  # imported as datasets.make_synthetic_era5
-    from .compute_stats import StatsError, compute_stats
+    from .compute_stats import OneLineParser, StatsError, compute_stats
 else:  # run as a script: datasets/ is on sys.path
-    from compute_stats import StatsError, compute_stats
+    from compute_stats import OneLineParser, StatsError, compute_stats
 
 # SuperBench's per-channel statistics (the targets); utils/data.py holds the same values as
 # SUPERBENCH_MEAN/STD (a test checks they agree). Not imported from there: this script needs no torch.
@@ -695,13 +695,6 @@ def _parse_split(text: str) -> tuple[str, list[int]]:
     if not name or not parsed:
         raise argparse.ArgumentTypeError(f"expected NAME=YEAR[,YEAR...], got {text!r}")
     return name, parsed
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a usage error as one line (not the usage block)."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -40,6 +40,8 @@ import torch.nn.functional as F
 from timm.layers import DropPath, Mlp, to_2tuple, trunc_normal_
 from torch.utils.checkpoint import checkpoint
 
+from .common import PhysicalUnitsModel, init_transformer_weights
+
 # Value the original adds to attention logits between tokens that the cyclic shift brought
 # together from different image regions (kept for bit-compatible results; exp(-100) ~ 4e-44).
 MASKED_LOGIT = -100.0
@@ -365,7 +367,7 @@ class UpsampleOneStep(nn.Sequential):
 UPSAMPLERS = ("pixelshuffle", "pixelshuffledirect", "nearest+conv", "")
 
 
-class SwinIR(nn.Module):
+class SwinIR(PhysicalUnitsModel):
     """SwinIR with the original's keywords, plus ``mean``/``std`` (per channel, physical units).
 
     The input (B, in_chans, H, W) may have any H, W: it is reflect-padded to a window multiple
@@ -405,9 +407,7 @@ class SwinIR(nn.Module):
         if len(mean) != in_chans or len(std) != in_chans or min(std) <= 0:
             raise ValueError(f"mean {list(mean)} and std {list(std)} need {in_chans} values (std > 0)")
         # Buffers (they follow the model's device) but not in the state_dict (the original's keys).
-        self.mean_values, self.std_values = tuple(map(float, mean)), tuple(map(float, std))
-        self.register_buffer("data_mean", self._channel_constant(self.mean_values), persistent=False)
-        self.register_buffer("data_std", self._channel_constant(self.std_values), persistent=False)
+        self.register_normalization(mean, std)
 
         # 1. shallow features
         self.conv_first = nn.Conv2d(in_chans, embed_dim, 3, 1, 1)
@@ -458,31 +458,8 @@ class SwinIR(nn.Module):
         else:  # no upsampling (denoising, artefact removal): the output is a residual on the input
             self.conv_last = nn.Conv2d(embed_dim, num_out_ch, 3, 1, 1)
 
-        self.apply(self._init_weights)
+        self.apply(init_transformer_weights)
         self.register_load_state_dict_pre_hook(_strip_wrapper_prefixes)
-
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            trunc_normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.LayerNorm):
-            nn.init.zeros_(m.bias)
-            nn.init.ones_(m.weight)
-
-    @staticmethod
-    def _channel_constant(values: Sequence[float], device=None) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device).view(1, -1, 1, 1)
-
-    def _apply(self, fn, recurse=True):
-        # Rebuilt in fp32 after any cast: model.to(torch.bfloat16) must not round the physical
-        # mean/std (278.39 K -> 278.0 K), and to_empty() (meta-device init) must not lose them.
-        super()._apply(fn, recurse)
-        device = self.data_mean.device
-        self.data_mean = self._channel_constant(self.mean_values, device)
-        self.data_std = self._channel_constant(self.std_values, device)
-        return self
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:

@@ -31,6 +31,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import DropPath, Mlp, trunc_normal_
 
+from .common import PhysicalUnitsModel, init_transformer_weights
+
 LAYER_NORM_EPS = 1e-6
 
 
@@ -74,7 +76,7 @@ class Block(nn.Module):
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
 
-class ViT(nn.Module):
+class ViT(PhysicalUnitsModel):
     """NERSC's ViT forecaster; ``img_size`` (H, W) must be divisible by ``patch_size``."""
 
     def __init__(self, img_size: int | Sequence[int] = (360, 720), patch_size: int = 8, in_chans: int = 20,
@@ -93,10 +95,7 @@ class ViT(nn.Module):
         std = (1.0,) * in_chans if std is None else tuple(map(float, std))
         if len(mean) != in_chans or len(std) != in_chans or min(std) <= 0:
             raise ValueError(f"mean {list(mean)} and std {list(std)} need {in_chans} values (std > 0)")
-        # Constants from the config, not learned: kept out of the state_dict, rebuilt in fp32 by _apply.
-        self.mean_values, self.std_values = mean, std
-        self.register_buffer("data_mean", self._channel_constant(mean), persistent=False)
-        self.register_buffer("data_std", self._channel_constant(std), persistent=False)
+        self.register_normalization(mean, std)  # constants from the config, not learned
 
         self.patch_embed = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
         self.pos_embed = nn.Parameter(torch.zeros(1, num_tokens, embed_dim))
@@ -107,29 +106,7 @@ class ViT(nn.Module):
         self.head = nn.Linear(embed_dim, in_chans * patch_size**2, bias=False)
 
         trunc_normal_(self.pos_embed, std=0.02)
-        self.apply(self._init_weights)
-
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            trunc_normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.LayerNorm):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
-
-    @staticmethod
-    def _channel_constant(values: Sequence[float], device=None) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device).view(1, -1, 1, 1)
-
-    def _apply(self, fn, recurse=True):
-        # model.to(bf16) must not round the physical mean/std (278.39 K -> 278.0 K); to_empty() must not lose them.
-        super()._apply(fn, recurse)
-        device = self.data_mean.device
-        self.data_mean = self._channel_constant(self.mean_values, device)
-        self.data_std = self._channel_constant(self.std_values, device)
-        return self
+        self.apply(init_transformer_weights)
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
