@@ -36,7 +36,7 @@ from models import build_model, fixed_input_size
 from utils.checkpoint import CheckpointError, ensure_writable_dir, latest_checkpoint, load_checkpoint, replaced_atomically
 from utils.config import Config, ConfigError, build_config, load_named_configs
 from utils.data import FIELDS_KEY, DataError, ERA5Dataset, evenly_spaced, scan_split
-from utils.metrics import _json_safe
+from utils.metrics import json_safe
 from utils.tasks import Forecast, build_task
 from utils.training import autocast, configure_backends, pick_device, run_cli
 
@@ -272,7 +272,7 @@ def main(argv=None) -> int:
     out = ensure_writable_dir(args.out or run_dir / "rollout")
     with replaced_atomically(out / "rollout.json") as temporary:
         # One line per key: readable, yet the per-lead lists stay compact.
-        lines = (f" {json.dumps(key)}: {json.dumps(value)}" for key, value in _json_safe(result).items())
+        lines = (f" {json.dumps(key)}: {json.dumps(value)}" for key, value in json_safe(result).items())
         temporary.write_text("{\n" + ",\n".join(lines) + "\n}\n")
     shown = shown_channels(cfg)
     save_rollout_png(out / "rollout.png", result, shown)

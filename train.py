@@ -1,10 +1,12 @@
-"""Step 0 — the baseline: train SwinIR to super-resolve ERA5 fields on one device.
+"""Step 0 — the baseline: train a model on ERA5 on one device, whichever the config names:
+SwinIR super-resolution (Part I) or the ViT that forecasts six hours ahead (Part II, --config vit_*).
 
 Every later script (profiling, DDP, FSDP) is this file plus one technique, so
 `git diff --no-index train.py train_ddp.py` shows only that technique.
 
 Launch (one process; CUDA if available, else CPU):
     python train.py --config quickstart                  # laptop: small SwinIR, synthetic data
+    python train.py --config vit_quickstart              # laptop: small ViT forecaster, synthetic data
     python train.py --config baseline                    # one GPU: the tutorial's 11.75M SwinIR on ERA5
     python train.py --config baseline --batch_size 4 --max_steps 20 --run_dir runs/try
     python train.py --config baseline --resume           # continue from runs/baseline/checkpoints

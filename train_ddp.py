@@ -9,6 +9,7 @@ interchangeable with train.py's.
 Launch (torchrun starts one process per GPU and sets RANK, LOCAL_RANK, WORLD_SIZE):
     torchrun --nproc-per-node 4 train_ddp.py --config baseline        # one node, 4 GPUs
     torchrun --nproc-per-node 2 train_ddp.py --config quickstart      # laptop: 2 CPU processes, gloo
+    torchrun --nproc-per-node 4 train_ddp.py --config vit_base        # Part II: the ViT forecaster
     torchrun --nproc-per-node 4 train_ddp.py --config baseline --no_ddp true   # no all-reduce: comm cost
     sbatch --nodes 2 submit_multinode.sh train_ddp.py --config baseline       # several nodes (Step 5)
 Any config key can be overridden on the command line; `python train_ddp.py --help` lists them all.

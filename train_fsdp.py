@@ -1,7 +1,7 @@
 """Step 3b — sharded data parallelism: train_ddp.py with FSDP2 (fully_shard) instead of DDP.
 
 Each rank keeps 1/world_size of every parameter, gradient and AdamW state (DDP: full copies) and
-all-gathers one Swin block (or RSTB, --fsdp_unit layer) just before it runs. --hsdp_replicas N
+all-gathers one block (Swin or ViT block; SwinIR's RSTB with --fsdp_unit layer) just before it runs. --hsdp_replicas N
 shards within groups and replicates across N of them (HSDP: one group per node); --param_dtype bf16
 computes in bf16 with fp32 master weights. Checkpoints are sharded torch.distributed.checkpoint
 folders that resume on any number of ranks; `python -m utils.fsdp export` makes a train.py file.
@@ -9,6 +9,7 @@ folders that resume on any number of ranks; `python -m utils.fsdp export` makes 
 Launch (torchrun starts one process per GPU and sets RANK, LOCAL_RANK, WORLD_SIZE):
     torchrun --nproc-per-node 4 train_fsdp.py --config baseline --param_dtype bf16   # one node, 4 GPUs
     torchrun --nproc-per-node 2 train_fsdp.py --config quickstart      # laptop: 2 CPU processes, gloo
+    torchrun --nproc-per-node 4 train_fsdp.py --config vit_mp          # Part II: the 350M ViT, sharded per block
     sbatch --nodes 2 submit_multinode.sh train_fsdp.py --config baseline --hsdp_replicas 2   # HSDP
 Any config key can be overridden on the command line; `python train_fsdp.py --help` lists them all.
 """

@@ -267,3 +267,28 @@ def test_lead_and_missing_climatology(tmp_path, capsys):
     expect_error_in_process(capsys, *args, match="time_means.npy: no such file")
     expect_error_in_process(capsys, *args, "--lead", "5", match="lead 5 needs more than 5 samples")
     assert not run.exists()
+
+
+@pytest.mark.parametrize("config, overrides", [
+    ("baseline", {"crop_size": 32, "n_patches": 1, "batch_size": 2, "num_workers": 0}),  # valid_1, 3 channels
+    ("vit_quickstart", {"batch_size": 2}),                                              # 20 channels, 6-hourly
+])
+def test_missing_data_hint_generates_what_the_config_reads(tmp_path, config, overrides):
+    import shlex
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+    from utils.data import build_loaders
+
+    cfg = build_config(config, {"data_dir": str(tmp_path / "data"), **overrides})
+    with pytest.raises(DataError) as excinfo:
+        build_loaders(cfg)
+    command = str(excinfo.value).split("`")[1]
+    assert command.startswith("python datasets/make_synthetic_era5.py --out ")
+    argv = shlex.split(command)[1:]
+    argv[argv.index("--samples-per-year") + 1] = "4"  # the hint's size, fewer samples
+    subprocess.run([sys.executable, *argv, "--quiet"], cwd=REPO, check=True, capture_output=True)
+    train, valid = build_loaders(cfg)
+    inputs, target = next(iter(train))
+    assert inputs.shape[1] == target.shape[1] == cfg.model.in_chans

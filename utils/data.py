@@ -503,6 +503,23 @@ def read_climatology(root, channels: int, height: int, width: int) -> np.ndarray
     return np.ascontiguousarray(array[:, :height, :width], dtype=np.float32)
 
 
+def stand_in_command(cfg) -> str:
+    """The generator command whose output this config reads: its channels, time step, grid and split names."""
+    d, m = cfg.data, cfg.model
+    layout = {3: "", 20: " --channels nersc20"}.get(m.in_chans, f" --channels {m.in_chans}")
+    if d.task == "forecast":
+        layout += " --hours-per-step 6"
+    from models import fixed_input_size
+
+    fixed = fixed_input_size(m)
+    height, width = (fixed[0] + 1, fixed[1]) if fixed else (181, 360)  # + the row the loader drops
+    splits = f" --valid-years --split {d.valid_split}=2015" if d.valid_split != "valid" else ""
+    if d.train_split != "train":
+        splits += f" --train-years --split {d.train_split}=2008,2010"
+    return (f"python datasets/make_synthetic_era5.py --out {d.data_dir}{layout} --samples-per-year 64 "
+            f"--height {height} --width {width}{splits}")
+
+
 def resolve_from_data(cfg) -> list[YearFile]:
     """Fill in what the config leaves to the data, and check what it states against the data.
 
@@ -515,8 +532,10 @@ def resolve_from_data(cfg) -> list[YearFile]:
 
     d, m = cfg.data, cfg.model
     root = Path(d.data_dir)
-    if not root.is_dir():
-        raise DataError(f"data directory {root} does not exist: {HOW_TO_GET_DATA.format(root=root)}")
+    for folder in (root, root / d.train_split, root / d.valid_split):
+        if not folder.is_dir():
+            raise DataError(f"{folder} does not exist: see datasets/README.md for the real data, or generate a "
+                            f"stand-in that this config reads: `{stand_in_command(cfg)}`")
     files = scan_split(root / d.train_split)
     first = files[0]
     if first.channels != m.in_chans:

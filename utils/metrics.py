@@ -71,14 +71,14 @@ def _to_python(value: Any) -> Any:
     return value
 
 
-def _json_safe(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     # Strict JSON has no NaN/Infinity: write null so every JSON reader (jq, pandas, JS) accepts the file.
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {key: _json_safe(item) for key, item in value.items()}
+        return {key: json_safe(item) for key, item in value.items()}
     if isinstance(value, list):
-        return [_json_safe(item) for item in value]
+        return [json_safe(item) for item in value]
     return value
 
 
@@ -149,7 +149,7 @@ class MetricsLogger:
             raise ValueError("MetricsLogger.log called after close()")
         record = {key: _to_python(value) for key, value in record.items()}
         record.setdefault("time", round(time.time(), 3))
-        self._jsonl.write(json.dumps(_json_safe(record)) + "\n")
+        self._jsonl.write(json.dumps(json_safe(record)) + "\n")
         self._jsonl.flush()  # a killed run keeps every record written so far
         if self._writer is not None:
             for tag, value in self._scalars(record):
