@@ -1,8 +1,8 @@
 """Step 3b — sharded data parallelism: train_ddp.py with FSDP2 (fully_shard) instead of DDP.
 
 Each rank keeps 1/world_size of every parameter, gradient and AdamW state (DDP: full copies) and
-all-gathers one block (Swin or ViT block; SwinIR's RSTB with --fsdp_unit layer) just before it runs. --hsdp_replicas N
-shards within groups and replicates across N of them (HSDP: one group per node); --param_dtype bf16
+all-gathers one block (Swin or ViT block; an RSTB with --fsdp_unit layer) just before it runs.
+--hsdp_replicas N shards within groups and replicates across N of them (HSDP: one group per node); --param_dtype bf16
 computes in bf16 with fp32 master weights. Checkpoints are sharded torch.distributed.checkpoint
 folders that resume on any number of ranks; `python -m utils.fsdp export` makes a train.py file.
 
