@@ -407,7 +407,7 @@ GOOD_DAY = np.zeros((2, 3, 9, 16), dtype=np.float32)
         ("no h5", lambda d: (d.mkdir(), (d / "notes.txt").write_text("x")), ["no .h5 files"]),
         ("no fields", lambda d: write_fields(d / "2008.h5", GOOD_DAY, key="data"), ["no dataset 'fields'", "found: data"]),
         ("wrong rank", lambda d: write_fields(d / "2008.h5", GOOD_DAY[0]), ["3 dimensions", "expected (samples, channels"]),
-        ("wrong channels", lambda d: write_fields(d / "2008.h5", GOOD_DAY[:, :2]), ["has 2 channels", "takes 3", "--in_chans 2"]),
+        ("wrong channels", lambda d: write_fields(d / "2008.h5", GOOD_DAY[:, :2]), ["has 2 channels", "in_chans is 3", "--in_chans 2"]),
         ("channels differ", lambda d: (write_fields(d / "2008.h5", GOOD_DAY), write_fields(d / "2010.h5", GOOD_DAY[:, :2])),
          ["different channel counts", "2008.h5 has 3", "2010.h5 has 2"]),
         ("different grids", lambda d: (write_fields(d / "2008.h5", GOOD_DAY),

@@ -216,6 +216,7 @@ def test_cosine_schedule_with_warmup():
     ({"depths": [1, 1], "num_heads": [2, 2]}, ConfigError, "one stage"),
     ({"mean": [0.0, 1.0]}, ConfigError, "mean and std need 3 values"),
     ({"betas": [0.9]}, ConfigError, "betas"),
+    ({"ac": "layer"}, ConfigError, "SwinIR's RSTB"),
 ])
 def test_bad_vit_config(tmp_path, overrides, error, match):
     with pytest.raises(error, match=match):

@@ -392,6 +392,8 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"the ViT maps fields to fields of the same size: use task forecast, not {d.task}")
         if len(m.depths) != 1:
             raise ConfigError(f"the ViT has one stage: depths must have one entry (its depth), got {m.depths}")
+        if "layer" in (t.ac, cfg.dist.fsdp_unit):
+            raise ConfigError("ac/fsdp_unit 'layer' is SwinIR's RSTB; the ViT's unit is the transformer block: use block")
         height, width = img_hw(m)
         if height % m.patch_size or width % m.patch_size:
             raise ConfigError(f"img_size {height}x{width} is not divisible by patch_size {m.patch_size}: "

@@ -135,6 +135,14 @@ def _describe(path: Path) -> YearFile:
     return YearFile(path, shape[0], shape[2], shape[3], shape[1], names)
 
 
+def check_channels(file: YearFile, in_chans: int) -> None:
+    """The data must have the channel count the model takes (the config's in_chans)."""
+    if file.channels != in_chans:
+        raise DataError(
+            f"{file.path}: the data has {file.channels} channels but the config's in_chans is {in_chans}; "
+            f"set --in_chans {file.channels} (with mean, std and channel_names to match) or use other data")
+
+
 def scan_split(split_dir) -> list[YearFile]:
     """Every ``*.h5`` of a split folder, sorted by name, checked to share one grid."""
     split_dir = Path(split_dir)
@@ -242,11 +250,8 @@ class ERA5Dataset(Dataset):
         self.split_dir = Path(split_dir)
         self.files = scan_split(self.split_dir)
         self.channels = self.files[0].channels
-        if channels is not None and channels != self.channels:
-            raise DataError(
-                f"{self.files[0].path}: the data has {self.channels} channels but the model takes {channels} "
-                f"(in_chans); set --in_chans {self.channels} (and mean, std, channel_names to match) or use other data"
-            )
+        if channels is not None:
+            check_channels(self.files[0], channels)
         self.task, self.upscale, self.crop_size, self.seed, self.train, self.read = task, upscale, crop_size, seed, train, read
         self.height = self.files[0].height - 1  # SuperBench drops the last latitude row (721 -> 720)
         self.width = self.files[0].width
@@ -538,10 +543,7 @@ def resolve_from_data(cfg) -> list[YearFile]:
                             f"stand-in that this config reads: `{stand_in_command(cfg)}`")
     files = scan_split(root / d.train_split)
     first = files[0]
-    if first.channels != m.in_chans:
-        raise DataError(
-            f"{first.path}: the data has {first.channels} channels but the config's in_chans is {m.in_chans}; "
-            f"set --in_chans {first.channels} (with mean, std and channel_names to match) or use other data")
+    check_channels(first, m.in_chans)
     if not d.channel_names:
         d.channel_names = list(first.names or (f"channel {c}" for c in range(first.channels)))
     missing = [name for name in d.key_channels if name not in d.channel_names]
