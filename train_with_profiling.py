@@ -1,14 +1,15 @@
 """Step 0 — profiling: train.py plus torch.profiler ranges, memory timeline/snapshot and a throughput breakdown.
 
-Off by default (then it is train.py). Files go to <run_dir>/profile/rank<r>_*; see utils/profiling.py
-and the README's "Step 0: profiling" for what each shows and how to open it.
+Profiles by default (--profile false makes it train.py); files go to <run_dir>/profile/rank<r>_*; see
+utils/profiling.py and the README's profiling step for what each shows and how to open it.
 
 Launch (one process; CUDA if available, else CPU):
-    python train_with_profiling.py --config quickstart --profile true    # laptop: trace, memory timeline, summary
-    python train_with_profiling.py --config baseline --profile true --memory_snapshot true --max_steps 20
-    sbatch submit_singlegpu.sh train_with_profiling.py --config baseline --profile true --max_steps 20
+    python train_with_profiling.py --config quickstart --max_steps 20     # laptop: trace, memory timeline, summary
+    python train_with_profiling.py --config baseline --memory_snapshot true --max_steps 20
+    sbatch submit_singlegpu.sh train_with_profiling.py --config baseline --max_steps 20
     nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop --trace=cuda,nvtx,cudnn,cublas \\
-        -o runs/baseline/profile/nsys_rank0 python train_with_profiling.py --config baseline --nsys true --max_steps 20
+        -o runs/baseline/profile/nsys_rank0 python train_with_profiling.py --config baseline --nsys true \\
+        --profile false --max_steps 20
 Any config key can be overridden on the command line; `python train_with_profiling.py --help` lists them all.
 """
 
@@ -36,7 +37,7 @@ from utils.training import (TrainState, autocast, build_loss, build_optimizer, c
 
 def main():
     # ------------------------------------------------------------------------------------------ Setup
-    cfg = parse_config(__doc__)
+    cfg = parse_config(__doc__, script_defaults={"profile": True})  # the script's name promises a profile
     tcfg = cfg.train
     device = pick_device(tcfg.device)
     profiling = contextlib.ExitStack()  # the profiling contexts, closed in Teardown

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from utils.config import KEYS, ConfigError, build_config, field_docs, load_named_configs, SECTIONS
+from utils.config import KEYS, SECTIONS, ConfigError, build_config, field_docs, load_named_configs, parse_config
 from tests.conftest import REPO
 
 NAMED = ["baseline", "quickstart", "full_size", "synthetic_large"]
@@ -71,3 +71,12 @@ def test_cli_errors_are_one_line():
         proc = subprocess.run([sys.executable, "-m", "utils.config", *argv], cwd=REPO, capture_output=True, text=True)
         assert proc.returncode == 2
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_script_defaults_sit_below_the_named_config_and_the_command_line():
+    # train_with_profiling.py profiles unless told not to; train.py (no script default) does not.
+    assert build_config("quickstart").profile.profile is False
+    assert build_config("quickstart", script_defaults={"profile": True}).profile.profile is True
+    assert build_config("quickstart", {"profile": False}, script_defaults={"profile": True}).profile.profile is False
+    assert parse_config("", ["--config", "quickstart"], script_defaults={"profile": True}).profile.profile is True
+    assert parse_config("", ["--profile", "false"], script_defaults={"profile": True}).profile.profile is False

@@ -20,7 +20,7 @@ PROFILE_STEPS = ("--profile_wait", "1", "--profile_warmup", "1", "--profile_acti
 def test_profiled_run_writes_trace_timeline_summary_and_breakdown(tiny_data, tmp_path):
     run = tmp_path / "run"
     proc = run_script("train_with_profiling.py", *tiny_args(
-        tiny_data, run, "--max_steps", "6", "--profile", "true", *PROFILE_STEPS, "--breakdown_steps", "2",
+        tiny_data, run, "--max_steps", "6", *PROFILE_STEPS, "--breakdown_steps", "2",  # profiling on by default
         "--memory_snapshot", "true"))
     out = proc.stdout
 
@@ -60,7 +60,7 @@ def test_profiled_run_writes_trace_timeline_summary_and_breakdown(tiny_data, tmp
 
 def test_profiling_off_is_train_py(tiny_data, reference_run, tmp_path):
     plain, off = reference_run, tmp_path / "off"
-    proc = run_script("train_with_profiling.py", *tiny_args(tiny_data, off, *REFERENCE_STEPS))
+    proc = run_script("train_with_profiling.py", *tiny_args(tiny_data, off, *REFERENCE_STEPS, "--profile", "false"))
 
     def comparable(records):  # everything but the clock
         return [{k: v for k, v in r.items() if k not in ("time", "samples_per_sec", "mfu", "peak_mem_gb")}

@@ -199,7 +199,7 @@ class DistConfig:
 @dataclass
 class ProfileConfig:
     profile: bool = False
-    """Record a torch.profiler trace of a few steps."""
+    """Record a torch.profiler trace of a few steps (train_with_profiling.py: on unless --profile false)."""
     profile_wait: int = 1
     """Profiler schedule: steps skipped before warm-up."""
     profile_warmup: int = 1
@@ -336,14 +336,19 @@ def load_named_configs(path: Optional[Path] = None) -> dict[str, dict[str, Any]]
     return configs
 
 
-def build_config(name: str, overrides: Optional[dict[str, Any]] = None, path: Optional[Path] = None) -> Config:
-    """The named config (from ``path``, or any config/*.yaml) with overrides applied, validated."""
+def build_config(name: str, overrides: Optional[dict[str, Any]] = None, path: Optional[Path] = None,
+                 script_defaults: Optional[dict[str, Any]] = None) -> Config:
+    """The named config (from ``path``, or any config/*.yaml) with overrides applied, validated.
+
+    ``script_defaults`` replace the dataclass defaults for one script (train_with_profiling.py
+    profiles unless told not to); the named config and the overrides still win over them.
+    """
     configs = load_named_configs(path)
     if name not in configs:
         where = path.name if path else f"{CONFIG_DIR.name}/*.yaml"
         valid = ", ".join(n for n in configs if n != "base" and not n.startswith("_"))
         raise ConfigError(f"unknown config {name!r} in {where}; valid: {valid}")
-    values = dict(configs[name])
+    values = {**(script_defaults or {}), **configs[name]}
     values.update(overrides or {})
     sections: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     unknown = [k for k in values if k not in KEYS]
@@ -440,9 +445,9 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
                                type=_parse_value, help=docs.get(f.name, ""), **flag)
 
 
-def config_from_args(args: argparse.Namespace) -> Config:
+def config_from_args(args: argparse.Namespace, script_defaults: Optional[dict[str, Any]] = None) -> Config:
     overrides = {k[len("cfg__"):]: v for k, v in vars(args).items() if k.startswith("cfg__")}
-    return build_config(args.config, overrides, Path(args.config_file) if args.config_file else None)
+    return build_config(args.config, overrides, Path(args.config_file) if args.config_file else None, script_defaults)
 
 
 class _OneLineErrorParser(argparse.ArgumentParser):
@@ -452,10 +457,12 @@ class _OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def parse_config(description: str = "", argv: Optional[list[str]] = None, extra_args=None) -> Config | tuple[Config, argparse.Namespace]:
+def parse_config(description: str = "", argv: Optional[list[str]] = None, extra_args=None,
+                 script_defaults: Optional[dict[str, Any]] = None) -> Config | tuple[Config, argparse.Namespace]:
     """Parse ``--config NAME --key value ...``; exit with a one-line error on bad input.
 
     ``extra_args(parser)`` may add script-specific options; then (cfg, args) is returned.
+    ``script_defaults``: this script's own defaults for some keys (see build_config).
     """
     first_line = (description or "").strip().splitlines()[0] if description else None
     parser = _OneLineErrorParser(description=first_line, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -464,7 +471,7 @@ def parse_config(description: str = "", argv: Optional[list[str]] = None, extra_
     add_config_args(parser)
     args = parser.parse_args(argv)
     try:
-        cfg = config_from_args(args)
+        cfg = config_from_args(args, script_defaults)
     except ConfigError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     return (cfg, args) if extra_args is not None else cfg
