@@ -20,7 +20,7 @@ SCRIPTS = [p.name for p in sorted(REPO.glob("train*.py"))]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_step_order_and_epochs(script, tiny_data, tmp_path, monkeypatch):
+def test_step_order_and_epochs(script, tiny_data, tmp_path, monkeypatch, capsys):
     calls = []
 
     def spy(cls, name, record):
@@ -43,11 +43,15 @@ def test_step_order_and_epochs(script, tiny_data, tmp_path, monkeypatch):
         real_seed_step(seed, step, rank)
 
     monkeypatch.setattr(training, "seed_step", seed_step_spy)
-    # 8 steps per epoch: 10 steps run two epochs.
-    monkeypatch.setattr(sys, "argv", [script, *tiny_args(tiny_data, tmp_path / "run", "--max_steps", "10")])
+    # 8 steps per epoch: 10 steps run two epochs. Profiling off: its throughput breakdown trains more steps.
+    monkeypatch.setattr(sys, "argv", [script, *tiny_args(tiny_data, tmp_path / "run", "--max_steps", "10",
+                                                         "--profile", "false")])
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_path(str(REPO / script), run_name="__main__")
     assert exit_info.value.code in (0, None)
+    # Without torchrun a distributed script trains on one process: it must say so, not pass silently.
+    said = "note: started without torchrun or srun, so this is 1 process on cpu" in capsys.readouterr().out
+    assert said == (script in ("train_ddp.py", "train_fsdp.py"))
 
     epochs = [c for c in calls if c.startswith("epoch")]
     assert epochs[:2] == ["epoch0", "epoch1"], f"set_epoch calls: {epochs}"

@@ -11,7 +11,9 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -99,6 +101,14 @@ def device_for(env: DistEnv) -> torch.device:
     return torch.device("cpu")
 
 
+def lone_process_note(device: torch.device) -> str:
+    """Said when a distributed script starts without torchrun or srun: it then trains on one device only."""
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    here = f"this node has {gpus} GPUs" if gpus else "no GPU here"
+    return (f"note: started without torchrun or srun, so this is 1 process on {device} ({here}); "
+            f"for N processes: torchrun --nproc-per-node N {Path(sys.argv[0]).name} ...")
+
+
 def init_distributed(timeout_s: float = 300.0) -> tuple[DistEnv, torch.device]:
     """Read the environment, pick the device and join the process group (one of its own for a lone process).
 
@@ -116,6 +126,8 @@ def init_distributed(timeout_s: float = 300.0) -> tuple[DistEnv, torch.device]:
         # Started without a launcher: a one-process group in memory, so DDP/FSDP code runs unchanged.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=datetime.timedelta(seconds=timeout_s))
+        if env.source == "single":
+            print(lone_process_note(device), flush=True)
         return env, device
     if env.source == "slurm":
         os.environ.setdefault("RANK", str(env.rank))
