@@ -470,3 +470,19 @@ def test_benchmark_runs(root, capsys):
                             "--num-workers", "0", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "hyperslab" in out and "whole day then crop" in out and "speed-up" in out
+
+
+def test_one_stand_in_recipe_in_the_makefile_and_the_errors(tmp_path, monkeypatch):
+    from utils.data import HOW_TO_GET_DATA, stand_in_command
+    from utils.config import build_config
+
+    makefile = (REPO / "Makefile").read_text().replace("\\\n", " ")
+    recipe = next(line for line in makefile.splitlines() if "--out $(QUICKSTART_DATA)" in line)
+    recipe = " ".join(recipe.replace("$(PY) ", "python ").replace("$(QUICKSTART_DATA)", "OUT").split())
+    assert recipe in HOW_TO_GET_DATA.format(root="OUT")
+    assert stand_in_command(build_config("quickstart", {"data_dir": "OUT"})) == recipe
+    # A relative data_dir that exists only in the repository: the error says where it looked.
+    monkeypatch.chdir(tmp_path)
+    cfg = build_config("quickstart", {"data_dir": "datasets"})
+    with pytest.raises(DataError, match=f"relative to the current directory {tmp_path}; from the repository root"):
+        build_loaders(cfg)

@@ -48,10 +48,11 @@ STATS_COMMAND = "python datasets/compute_stats.py --data_dir {root}"
 TASKS = ("sr", "forecast")
 READ_MODES = ("hyperslab", "whole")
 
-HOW_TO_GET_DATA = (
-    "get SuperBench's ERA5 (see datasets/README.md) or generate a stand-in with "
-    "`python datasets/make_synthetic_era5.py --out {root} --samples-per-year 32 --height 181 --width 360`"
-)
+# The one recipe for a small stand-in (the Makefile's `data` target, datasets/README.md and the errors).
+STAND_IN = ("python datasets/make_synthetic_era5.py --out {root}{layout} --samples-per-year 64 --height {height} "
+            "--width {width} --seed 0 --train-years 2008 2010 --valid-years 2015")
+HOW_TO_GET_DATA = ("see datasets/README.md for the real data, or generate a stand-in: `"
+                   + STAND_IN.format(root="{root}", layout="", height=181, width=360) + "`")
 
 
 class DataError(ValueError):
@@ -157,8 +158,8 @@ def scan_split(split_dir) -> list[YearFile]:
     paths = sorted(split_dir.glob("*.h5"))
     if not paths:
         raise DataError(
-            f"{split_dir}: no .h5 files; a split folder holds one <year>.h5 per year "
-            f"(see datasets/README.md, or {HOW_TO_GET_DATA.format(root=split_dir.parent)})"
+            f"{split_dir}: no .h5 files; a split folder holds one <year>.h5 per year: "
+            f"{HOW_TO_GET_DATA.format(root=split_dir.parent)}"
         )
     files = [_describe(p) for p in paths]
     first = files[0]
@@ -510,19 +511,30 @@ def read_climatology(root, channels: int, height: int, width: int) -> np.ndarray
 
 def stand_in_command(cfg) -> str:
     """The generator command whose output this config reads: its channels, time step, grid and split names."""
+    from models import fixed_input_size
+
     d, m = cfg.data, cfg.model
     layout = {3: "", 20: " --channels nersc20"}.get(m.in_chans, f" --channels {m.in_chans}")
     if d.task == "forecast":
         layout += " --hours-per-step 6"
-    from models import fixed_input_size
-
     fixed = fixed_input_size(m)
     height, width = (fixed[0] + 1, fixed[1]) if fixed else (181, 360)  # + the row the loader drops
-    splits = f" --valid-years --split {d.valid_split}=2015" if d.valid_split != "valid" else ""
+    command = STAND_IN.format(root=d.data_dir, layout=layout, height=height, width=width)
     if d.train_split != "train":
-        splits += f" --train-years --split {d.train_split}=2008,2010"
-    return (f"python datasets/make_synthetic_era5.py --out {d.data_dir}{layout} --samples-per-year 64 "
-            f"--height {height} --width {width}{splits}")
+        command = command.replace("--train-years 2008 2010", f"--train-years --split {d.train_split}=2008,2010")
+    if d.valid_split != "valid":
+        command = command.replace("--valid-years 2015", f"--valid-years --split {d.valid_split}=2015")
+    return command
+
+
+def _relative_note(path: Path) -> str:
+    """For a relative path that does not exist: where it was looked for, and whether the repository has it."""
+    repo = Path(__file__).resolve().parent.parent
+    if path.is_absolute() or Path.cwd().resolve() == repo:
+        return ""
+    in_repo = repo / path
+    there = "exists there: run from the repository" if in_repo.exists() else "is not there either"
+    return f" (relative to the current directory {Path.cwd()}; from the repository root {in_repo} {there})"
 
 
 def resolve_from_data(cfg) -> list[YearFile]:
@@ -539,8 +551,8 @@ def resolve_from_data(cfg) -> list[YearFile]:
     root = Path(d.data_dir)
     for folder in (root, root / d.train_split, root / d.valid_split):
         if not folder.is_dir():
-            raise DataError(f"{folder} does not exist: see datasets/README.md for the real data, or generate a "
-                            f"stand-in that this config reads: `{stand_in_command(cfg)}`")
+            raise DataError(f"{folder} does not exist{_relative_note(folder)}: see datasets/README.md for the real "
+                            f"data, or generate a stand-in that this config reads: `{stand_in_command(cfg)}`")
     files = scan_split(root / d.train_split)
     first = files[0]
     check_channels(first, m.in_chans)
