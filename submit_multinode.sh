@@ -11,7 +11,7 @@
 #   Kestrel:    export SBATCH_ACCOUNT=<project>     (jobs are routed to the GPU partition by the request)
 #   Perlmutter: export SBATCH_ACCOUNT=<project> SBATCH_CONSTRAINT=gpu SBATCH_QOS=regular
 # Nodes without GPUs (e.g. the local test cluster: add --gpus-per-node=0) run CPU processes with gloo.
-#SBATCH --job-name=swinir-multinode
+#SBATCH --job-name=era5-multinode
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=4
@@ -23,8 +23,9 @@
 # SITE picks the defaults of the settings below: kestrel, perlmutter or generic (any other SLURM).
 SITE=${SITE:-generic}
 # Python environment: a virtualenv directory (has pyvenv.cfg) or a conda environment name or path;
-# empty = the python already on PATH (e.g. from a module).
-PYTHON_ENV=${PYTHON_ENV-swinir}
+# empty = the python already on PATH (e.g. from a module). The default is the conda environment that
+# `conda env create -f conda-env.yml` makes (docs/setup.md).
+PYTHON_ENV=${PYTHON_ENV-era5-scaling}
 # Processes per node: "auto" = one per GPU SLURM gave the job on a node, CPU_NPROC_PER_NODE without GPUs.
 NPROC_PER_NODE=${NPROC_PER_NODE:-auto}
 CPU_NPROC_PER_NODE=${CPU_NPROC_PER_NODE:-2}

@@ -5,9 +5,10 @@
 #   sbatch submit_singlegpu.sh train.py --config baseline
 #
 # Site settings (SITE, PYTHON_ENV, MODULES, ...) are the ones documented at the top of
-# submit_multinode.sh, which this job runs with LAUNCHER=python. Account, partition and constraint as
-# there: SBATCH_ACCOUNT, SBATCH_CONSTRAINT=gpu and SBATCH_QOS=shared (Perlmutter: a quarter node).
-#SBATCH --job-name=swinir-1gpu
+# submit_multinode.sh, which this job runs with LAUNCHER=python; PYTHON_ENV defaults to era5-scaling,
+# the conda environment of conda-env.yml (docs/setup.md). Account, partition and constraint as there:
+# SBATCH_ACCOUNT, SBATCH_CONSTRAINT=gpu and SBATCH_QOS=shared (Perlmutter: a quarter node).
+#SBATCH --job-name=era5-1gpu
 #SBATCH --nodes=1
 #SBATCH --ntasks=1
 #SBATCH --gpus-per-node=1
