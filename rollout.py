@@ -33,7 +33,8 @@ import torch
 from torch.utils.data import Subset
 
 from models import build_model, fixed_input_size
-from utils.checkpoint import CheckpointError, ensure_writable_dir, latest_checkpoint, load_checkpoint, replaced_atomically
+from utils.checkpoint import (CheckpointError, ensure_writable_dir, latest_checkpoint, load_checkpoint,
+                              replaced_atomically, reporting_write_failures)
 from utils.config import Config, ConfigError, build_config, load_named_configs
 from utils.data import FIELDS_KEY, DataError, ERA5Dataset, evenly_spaced, scan_split
 from utils.metrics import json_safe
@@ -270,12 +271,15 @@ def main(argv=None) -> int:
         result["note"] = f"the data records no {HOURS_ATTR}; assumed {ASSUMED_HOURS:g} h (NERSC's ERA5)"
 
     out = ensure_writable_dir(args.out or run_dir / "rollout")
-    with replaced_atomically(out / "rollout.json") as temporary:
-        # One line per key: readable, yet the per-lead lists stay compact.
-        lines = (f" {json.dumps(key)}: {json.dumps(value)}" for key, value in json_safe(result).items())
-        temporary.write_text("{\n" + ",\n".join(lines) + "\n}\n")
     shown = shown_channels(cfg)
-    save_rollout_png(out / "rollout.png", result, shown)
+    # A full disk: one line (exit 4); the atomic writes leave no partial file.
+    with reporting_write_failures("rollout results in", out, hint="free space or choose another --out, and run "
+                                  "rollout.py again"):
+        with replaced_atomically(out / "rollout.json") as temporary:
+            # One line per key: readable, yet the per-lead lists stay compact.
+            lines = (f" {json.dumps(key)}: {json.dumps(value)}" for key, value in json_safe(result).items())
+            temporary.write_text("{\n" + ",\n".join(lines) + "\n}\n")
+        save_rollout_png(out / "rollout.png", result, shown)
     print(format_table(result, shown[0]))
     print(f"wrote {out / 'rollout.json'} and {out / 'rollout.png'}")
     return 0

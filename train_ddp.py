@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from models import build_model
-from utils.checkpoint import (CheckpointError, ensure_writable_dir, latest_checkpoint, load_checkpoint,
+from utils.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, prepare_run_dir,
                               save_checkpoint)
 from utils.config import parse_config
 from utils.data import build_loaders
@@ -71,8 +71,7 @@ def main():
             raise CheckpointError(f"--resume: no checkpoint in {ckpt_dir}; run without --resume to start fresh")
         state = restore_payload(load_checkpoint(latest, device), raw_model, optimizer, scheduler, scaler)
         log0(f"resumed from {latest} at step {state.step}")
-    if env.is_main:
-        ensure_writable_dir(tcfg.run_dir)
+    prepare_run_dir(tcfg.run_dir, tcfg.resume)  # writable, and no other run's outputs unless --resume
     logger = MetricsLogger(tcfg.run_dir, enabled=env.is_main, console=tqdm.write, channel_names=task.channel_names,
                            console_channels=task.key_channels)
     log0(f"world_size={env.world_size} nodes={env.num_nodes} backend={torch.distributed.get_backend()}")

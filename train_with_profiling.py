@@ -21,7 +21,7 @@ from torch.profiler import record_function
 from tqdm import tqdm
 
 from models import build_model
-from utils.checkpoint import (CheckpointError, ensure_writable_dir, latest_checkpoint, load_checkpoint,
+from utils.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, prepare_run_dir,
                               save_checkpoint)
 from utils.config import parse_config
 from utils.data import build_loaders
@@ -71,7 +71,7 @@ def main():
             raise CheckpointError(f"--resume: no checkpoint in {ckpt_dir}; run without --resume to start fresh")
         state = restore_payload(load_checkpoint(latest, device), raw_model, optimizer, scheduler, scaler)
         print(f"resumed from {latest} at step {state.step}")
-    ensure_writable_dir(tcfg.run_dir)
+    prepare_run_dir(tcfg.run_dir, tcfg.resume)  # writable, and no other run's outputs unless --resume
     logger = MetricsLogger(tcfg.run_dir, console=tqdm.write, channel_names=task.channel_names,
                            console_channels=task.key_channels)
     print(f"model: {sum(p.numel() for p in raw_model.parameters()):,} parameters | device: {device} | "

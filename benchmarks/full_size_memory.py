@@ -43,9 +43,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from utils.checkpoint import replaced_atomically, reporting_write_failures  # noqa: E402
 from utils.config import build_config  # noqa: E402
 from utils.memory import (GB, build_for_measurement, estimate_memory, measure_config,  # noqa: E402
                           measure_saved_activations, random_batch, time_training_step, trace_saved_activations)
+from utils.training import run_cli  # noqa: E402
 
 SETTINGS = {"fp32": dict(amp_dtype="none", ac="none"), "bf16": dict(amp_dtype="bf16", ac="none"),
             "bf16 + AC block": dict(amp_dtype="bf16", ac="block")}
@@ -176,8 +178,11 @@ def plot(estimates: dict, measured: dict, path: Path) -> None:
     fig.legend([handles[i] for i in order], [labels[i] for i in order], loc="lower center", ncol=3, fontsize=9,
                frameon=False)
     fig.tight_layout(rect=(0, 0.1, 1, 0.95))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
+    # A full disk: one line, exit 4, no partial picture.
+    with reporting_write_failures("plot", path, hint="free space or choose another --png path"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with replaced_atomically(path) as temporary:
+            fig.savefig(temporary, dpi=130, format=path.suffix.lstrip(".") or "png")
     plt.close(fig)
 
 
@@ -291,4 +296,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli(main)  # a full disk at the PNG: one line, exit 4

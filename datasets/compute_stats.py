@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -158,6 +160,26 @@ def _write_atomically(out: Path, arrays: dict[str, np.ndarray]) -> None:
         raise
 
 
+def cannot_write(error: OSError, out: Path) -> str:
+    """The one line for a failed write under ``out``: the reason and, for a full disk, the free space.
+
+    h5py reports a failed write as an OSError without errno whose text spans lines ("... errno = 28,
+    error message = 'No space left on device' ..."): the errno is read from that text.
+    """
+    found = re.search(r"errno = (\d+)", str(error))
+    number = error.errno or (int(found.group(1)) if found else None)
+    reason = os.strerror(number) if number else (str(error).strip().splitlines() or [type(error).__name__])[0]
+    line = f"cannot write under {out}: {reason}"
+    probe = Path(out).absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        return line
+    return f"{line} ({free / 1e6:.1f} MB free on that file system); free space or choose another output folder"
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a usage error as one line (not the usage block)."""
 
@@ -180,7 +202,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except StatsError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     except OSError as e:
-        parser.exit(2, f"{parser.prog}: error: cannot write under {out}: {e.strerror or e}\n")
+        parser.exit(2, f"{parser.prog}: error: {cannot_write(e, out)}\n")
     except KeyboardInterrupt:
         parser.exit(130, f"{parser.prog}: interrupted; nothing written\n")
     _, c, h, w = arrays["time_means"].shape

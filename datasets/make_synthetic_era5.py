@@ -71,9 +71,9 @@ import numpy as np
 from tqdm import tqdm
 
 if __package__:  # imported as datasets.make_synthetic_era5
-    from .compute_stats import OneLineParser, StatsError, compute_stats
+    from .compute_stats import OneLineParser, StatsError, cannot_write, compute_stats
 else:  # run as a script: datasets/ is on sys.path
-    from compute_stats import OneLineParser, StatsError, compute_stats
+    from compute_stats import OneLineParser, StatsError, cannot_write, compute_stats
 
 # SuperBench's per-channel statistics (the targets); utils/data.py holds the same values as
 # SUPERBENCH_MEAN/STD (a test checks they agree). Not imported from there: this script needs no torch.
@@ -582,27 +582,45 @@ def chunk_shape(height: int, width: int, chunk: int) -> Optional[tuple[int, int,
 def write_year(path: Path, grid: Grid, n_samples: int, seed: int, split: str, year: int, chunk: int, bar=None) -> Path:
     """Write one file atomically: to ``<name>.<pid>.partial``, renamed once complete."""
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # pid: concurrent runs do not collide
+    f = None
     try:
-        with h5py.File(partial, "w") as f:
-            fields = f.create_dataset(
-                "fields", shape=(n_samples, grid.channels, grid.height, grid.width), dtype=np.float32,
-                chunks=chunk_shape(grid.height, grid.width, chunk),
-            )
-            table = channel_table(grid.channels)
-            fields.attrs["channels"] = [name for name, _ in table]
-            fields.attrs["units"] = [unit for _, unit in table]
-            fields.attrs["hours_per_step"] = grid.hours_per_step
-            f.attrs.update({"synthetic": True, "seed": seed, "split": split, "year": year,
-                            "generator": "datasets/make_synthetic_era5.py"})
-            for t, sample in enumerate(generate_samples(grid, n_samples, seed, split, year)):
-                fields[t] = sample
-                if bar is not None:
-                    bar.update(1)
+        # No chunk cache: a sample goes to disk in its own write (whole chunks, nothing to re-read), so a full
+        # disk fails that write or the flush below, while the file can still be emptied and closed (_discard).
+        f = h5py.File(partial, "w", rdcc_nbytes=0)
+        fields = f.create_dataset(
+            "fields", shape=(n_samples, grid.channels, grid.height, grid.width), dtype=np.float32,
+            chunks=chunk_shape(grid.height, grid.width, chunk),
+        )
+        table = channel_table(grid.channels)
+        fields.attrs["channels"] = [name for name, _ in table]
+        fields.attrs["units"] = [unit for _, unit in table]
+        fields.attrs["hours_per_step"] = grid.hours_per_step
+        f.attrs.update({"synthetic": True, "seed": seed, "split": split, "year": year,
+                        "generator": "datasets/make_synthetic_era5.py"})
+        for t, sample in enumerate(generate_samples(grid, n_samples, seed, split, year)):
+            fields[t] = sample
+            if bar is not None:
+                bar.update(1)
+        f.flush()
+        closing, f = f, None  # a close that fails leaves h5py's object unusable: _discard must not touch it
+        closing.close()
         os.replace(partial, path)
     except BaseException:
-        partial.unlink(missing_ok=True)
+        _discard(f, partial)
         raise
     return path
+
+
+def _discard(f, partial: Path) -> None:
+    """Remove a partly written file. On a full disk HDF5 cannot close it (its metadata has no room) and
+    retries when the object is freed, printing tracebacks and crashing at exit: emptying it first makes room."""
+    if f is not None:
+        try:
+            os.ftruncate(f.id.get_vfd_handle(), 0)
+            f.close()
+        except Exception:  # noqa: BLE001 — already failing; the file is removed below either way
+            pass
+    partial.unlink(missing_ok=True)
 
 
 def make_synthetic_era5(
@@ -733,7 +751,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except GenerationError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     except OSError as e:
-        parser.exit(2, f"{parser.prog}: error: cannot write under {args.out}: {e.strerror or e}\n")
+        parser.exit(2, f"{parser.prog}: error: {cannot_write(e, args.out)}\n")
     except KeyboardInterrupt:
         parser.exit(130, f"{parser.prog}: interrupted; completed files were kept, the partial one removed\n")
     size_gb = sum(f.stat().st_size for f in files) / 1e9

@@ -11,23 +11,41 @@ with ``torch.load(weights_only=True)``, which cannot run code from the file. ``s
 checks this before writing, so a wrong type fails at the first save, not at resume time.
 
 One process writes a folder (rank 0 for DDP); FSDP runs use ``torch.distributed.checkpoint``.
+
+Every write of a run (checkpoints, metrics, pictures, profiles) goes through :func:`reporting_write_failures`
+or :func:`write_failure`: a full, over-quota or failing file system becomes one :class:`StorageError` line
+(exit code 4) that names the file, the free space and the last good checkpoint, and says how to resume.
+:func:`prepare_run_dir` is the training scripts' start-up check of ``--run_dir``.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import os
 import random
 import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 CHECKPOINT_NAME = re.compile(r"^step_(\d+)\.pt$")
+SHARDED_CHECKPOINT_NAME = re.compile(r"^step_(\d+)$")
+"""train_fsdp.py's DCP folders (utils/fsdp.py); complete once they hold DCP_METADATA, which DCP writes last."""
+DCP_METADATA = ".metadata"
+METRICS_FILE = "metrics.jsonl"
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO})
+"""No space, over quota, I/O error: the file system, not the program, stopped the write."""
+# torch.save's zip writer reports a short write as a RuntimeError ("[enforce fail at inline_container.cc]
+# unexpected pos ...", "file write failed"); the OSError behind it is its __context__ only when torch
+# wrote through a Python file object, so the message itself must be recognised too.
+_TORCH_WRITE_FAILED = re.compile(r"unexpected pos|file write failed|failed writing")
 TEMP_PREFIX = ".tmp-step_"
 WRAPPER_COMPONENTS = frozenset({"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 """Key components added by DDP / DataParallel, torch.compile, activation checkpointing and FSDP1."""
@@ -42,6 +60,12 @@ class CheckpointError(RuntimeError):
     """A checkpoint problem, reported as one line that says what to do."""
 
 
+class StorageError(CheckpointError):
+    """A write failed because the file system is full, over quota or failing (utils.training.run_cli: exit 4).
+
+    A CheckpointError, so that code which handles a failed checkpoint write handles this one too."""
+
+
 def ensure_writable_dir(path) -> Path:
     """Create ``path`` (with parents) and prove it is writable; raise CheckpointError if not.
 
@@ -54,11 +78,173 @@ def ensure_writable_dir(path) -> Path:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
             pass
     except OSError as error:
+        failure = write_failure(error, "run directory", path, hint="free space or choose another --run_dir")
+        if failure is not None:
+            raise failure from None
         reason = error.strerror or type(error).__name__
         raise CheckpointError(
             f"run directory {path} is not writable ({reason}): choose another with --run_dir"
         ) from None
     return path
+
+
+# ----------------------------------------------------------------------------- failed writes
+
+
+def _storage_cause(error: Optional[BaseException]) -> Optional[OSError]:
+    """The OSError with a STORAGE_ERRNOS errno in ``error``, its causes, or the per-rank failures of DCP's
+    CheckpointException; None if there is none."""
+    seen = set()
+    pending = [error]
+    while pending:
+        error = pending.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in STORAGE_ERRNOS:
+            return error
+        pending += [error.__cause__, error.__context__]
+        for failure in (getattr(error, "failures", None) or {}).values():  # {rank: exception or (exception, tb)}
+            pending.append(failure[0] if isinstance(failure, tuple) else failure)
+    return None
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def format_bytes(size: float) -> str:
+    if size < 1000:
+        return f"{size:.0f} B"
+    for unit in ("kB", "MB", "GB"):
+        size /= 1000
+        if size < 1000:
+            return f"{size:.1f} {unit}"
+    return f"{size / 1000:.1f} TB"
+
+
+def free_space(path) -> str:
+    """"1.2 GB free of 500.0 GB" on the file system that holds ``path`` (or its nearest existing parent)."""
+    try:
+        usage = shutil.disk_usage(_existing(Path(path).absolute()))
+    except OSError:
+        return "free space unknown"
+    return f"{format_bytes(usage.free)} free of {format_bytes(usage.total)}"
+
+
+def newest_complete_checkpoint(ckpt_dir) -> Optional[Path]:
+    """The complete checkpoint with the highest step of either kind: a step_N.pt file (train.py,
+    train_ddp.py) or a DCP step_N folder holding its metadata (train_fsdp.py); None if there is none."""
+    ckpt_dir = Path(ckpt_dir)
+    found = _checkpoints_by_step(ckpt_dir)
+    if ckpt_dir.is_dir():
+        for entry in ckpt_dir.iterdir():
+            match = SHARDED_CHECKPOINT_NAME.match(entry.name)
+            if match and (entry / DCP_METADATA).is_file():
+                found.append((int(match.group(1)), entry))
+    return max(found)[1] if found else None
+
+
+def find_run_dir(path) -> Optional[Path]:
+    """The run folder that ``path`` (e.g. <run_dir>/samples/step_5.png) lies in: the nearest of its parents
+    with a checkpoints/ folder or a metrics.jsonl; None outside a run."""
+    for folder in list(Path(path).parents)[:3]:
+        if (folder / "checkpoints").is_dir() or (folder / METRICS_FILE).is_file():
+            return folder
+    return None
+
+
+def write_failure(error: BaseException, what: str, path, *, run_dir=None, ckpt_dir=None,
+                  hint: str = "free space and run the command again") -> Optional[StorageError]:
+    """A one-line StorageError for ``error`` if it is a failed write of ``what`` to ``path``
+    (ENOSPC, EDQUOT, EIO, or torch.save's short write), else None: the caller re-raises ``error`` unchanged.
+
+    With ``run_dir`` (a training run's folder) the line names the newest complete checkpoint in
+    ``ckpt_dir`` (default <run_dir>/checkpoints), which the failed write did not touch, and how to
+    resume; otherwise it ends with ``hint``.
+    """
+    cause = _storage_cause(error)
+    if cause is None and not (isinstance(error, RuntimeError) and _TORCH_WRITE_FAILED.search(str(error))):
+        return None
+    path = Path(path)
+    if cause is not None:
+        reason = cause.strerror or os.strerror(cause.errno)
+        if cause.filename and not Path(cause.filename).absolute().is_relative_to(path.absolute().parent):
+            reason += f" writing {cause.filename}"  # a temporary file elsewhere, e.g. in /tmp
+    else:
+        reason = "the write failed"
+    line = f"could not write {what} {path}: {reason} ({free_space(path)} on that file system)"
+    if run_dir is None:
+        return StorageError(f"{line}; {hint}")
+    run_dir = Path(run_dir)
+    newest = newest_complete_checkpoint(ckpt_dir if ckpt_dir is not None else run_dir / "checkpoints")
+    if newest is None:
+        return StorageError(f"{line}; no checkpoint was saved yet: free space, then delete {run_dir} and start "
+                            "again, or start again with another --run_dir")
+    return StorageError(f"{line}; the last good checkpoint {newest} is intact: free space and rerun with "
+                        f"--resume, or copy {run_dir} to a file system with room and rerun with --run_dir "
+                        "<the copy> --resume")
+
+
+@contextlib.contextmanager
+def reporting_write_failures(what: str, path, **context) -> Iterator[None]:
+    """Raise :func:`write_failure`'s StorageError for a failed write inside the block; any other error,
+    Ctrl-C included, passes unchanged. ``context``: write_failure's run_dir, ckpt_dir and hint."""
+    try:
+        yield
+    except BaseException as error:  # DCP's CheckpointException is a BaseException
+        failure = write_failure(error, what, path, **context)
+        if failure is None:
+            raise
+        raise failure from None
+
+
+# ----------------------------------------------------------------------------- run folder
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def prepare_run_dir(run_dir, resume: bool) -> Path:
+    """The training scripts' start-up check of ``--run_dir``: writable, and not another run's folder.
+
+    A fresh run (no ``--resume``) into a folder that holds a non-empty metrics.jsonl or a complete
+    checkpoint would mix two runs' records and checkpoints: CheckpointError (exit 2) before anything
+    is written. Under torchrun rank 0 decides and every rank raises its verdict, so none waits for a
+    rank that stopped.
+    """
+    run_dir = Path(run_dir)
+    verdict: Optional[Exception] = None
+    if _rank() == 0:
+        try:
+            if not resume:
+                _refuse_another_run(run_dir)
+            ensure_writable_dir(run_dir)
+        except CheckpointError as error:  # StorageError included
+            verdict = error
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        shared = [verdict]
+        dist.broadcast_object_list(shared, src=0)
+        verdict = shared[0]
+    if verdict is not None:
+        raise verdict
+    return run_dir
+
+
+def _refuse_another_run(run_dir: Path) -> None:
+    metrics = run_dir / METRICS_FILE
+    has_metrics = metrics.is_file() and metrics.stat().st_size > 0
+    newest = newest_complete_checkpoint(run_dir / "checkpoints")
+    if not (has_metrics or newest):
+        return
+    held = " and ".join(
+        ([METRICS_FILE] if has_metrics else []) + ([f"checkpoints up to {newest.name}"] if newest else []))
+    ways = "continue it with --resume, choose another --run_dir, or delete it" if newest else (
+        "choose another --run_dir, or delete it (it has no checkpoint to --resume from)")
+    raise CheckpointError(f"run directory {run_dir} already holds another run ({held}): {ways}")
 
 
 def _check_weights_only_types(value: Any, where: str) -> None:
@@ -139,7 +325,8 @@ def save_checkpoint(ckpt_dir, step: int, state: dict, keep: int = 2) -> Path:
     ``keep < 1`` keeps every checkpoint. The file just written is never pruned, even when the
     folder holds checkpoints of higher steps (e.g. from an earlier run).
     Raises CheckpointError for a state that would not load with weights_only=True and for
-    write failures (disk full, permissions); nothing half-written is left behind.
+    other write failures (permissions), StorageError for a full, over-quota or failing disk;
+    nothing half-written is left behind.
     """
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -148,13 +335,19 @@ def save_checkpoint(ckpt_dir, step: int, state: dict, keep: int = 2) -> Path:
     _remove_stale_temp_files(ckpt_dir)
     final_path = ckpt_dir / f"step_{step:08d}.pt"
     try:
+        # torch.save writes through this Python file, so a full disk's OSError stays attached to its RuntimeError.
         with replaced_atomically(final_path, prefix=TEMP_PREFIX) as temporary, open(temporary, "wb") as stream:
             torch.save(state, stream)
             stream.flush()
             os.fsync(stream.fileno())
-    except OSError as error:  # the temporary file is gone already; a Ctrl-C propagates unchanged
+    except (OSError, RuntimeError) as error:  # the temporary file is gone already; a Ctrl-C propagates unchanged
+        failure = write_failure(error, "checkpoint", final_path, run_dir=ckpt_dir.parent, ckpt_dir=ckpt_dir)
+        if failure is not None:
+            raise failure from None
+        if not isinstance(error, OSError):
+            raise
         raise CheckpointError(
-            f"could not write checkpoint {final_path} ({error.strerror or error}): free space or "
+            f"could not write checkpoint {final_path} ({error.strerror or error}): "
             "choose another --run_dir; the previous checkpoint is intact"
         ) from None
     fsync_dir(ckpt_dir)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import sys
 from dataclasses import asdict
@@ -38,8 +37,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from utils.checkpoint import (CheckpointError, capture_rng_state, ensure_writable_dir, fsync_dir,
-                              replaced_atomically, restore_rng_state)
+from utils.checkpoint import (DCP_METADATA, SHARDED_CHECKPOINT_NAME, CheckpointError, StorageError, capture_rng_state,
+                              ensure_writable_dir, fsync_dir, replaced_atomically, restore_rng_state, write_failure)
 from utils.config import ConfigError
 from utils.distributed import barrier
 from utils.techniques import ac_units
@@ -47,9 +46,8 @@ from utils.training import TrainState
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 HSDP_DIMS = ("replicate", "shard")
-CHECKPOINT_DIR = re.compile(r"^step_(\d+)$")
+CHECKPOINT_DIR = SHARDED_CHECKPOINT_NAME
 TEMP_PREFIX = ".tmp-step_"
-DCP_METADATA = ".metadata"  # written last by DCP: a folder without it is not a checkpoint
 
 
 # ----------------------------------------------------------------------------- sharding
@@ -235,8 +233,12 @@ def save_sharded_checkpoint(ckpt_dir, step: int, payload: dict, keep: int = 2) -
     except (OSError, CheckpointException) as error:  # DCP raises on every rank if any rank failed
         if _is_main():
             shutil.rmtree(temp, ignore_errors=True)
-        raise CheckpointError(f"could not write checkpoint {final} ({_first_line(error)}): free space or choose "
-                              "another --run_dir; the previous checkpoint is intact") from None
+        # Every rank raises the same line; utils.training.run_cli prints rank 0's.
+        failure = write_failure(error, "checkpoint", final, run_dir=ckpt_dir.parent, ckpt_dir=ckpt_dir)
+        if failure is not None:
+            raise failure from None
+        raise CheckpointError(f"could not write checkpoint {final} ({_first_line(error)}): choose another "
+                              "--run_dir; the previous checkpoint is intact") from None
     barrier()  # every rank's shards are on disk
     if _is_main():
         if final.exists():  # a step saved by an earlier run in the same folder
@@ -315,7 +317,14 @@ def export_full_state_dict(checkpoint, out) -> Path:
                         "scaler": saved.get("scaler", {}),  # DCP stores no empty dict (a disabled GradScaler's)
                         "train_state": saved["train_state"], "rng": rng, "config": json.loads(saved["config"])},
                        temp)
-    except (OSError, CheckpointException, KeyError) as error:
+    except (OSError, RuntimeError, CheckpointException, KeyError) as error:
+        # dcp_to_torch_save writes by path: torch.save's short write arrives as a RuntimeError without errno.
+        failure = write_failure(error, "exported checkpoint", out,
+                                hint=f"{checkpoint} is unchanged: free space or choose another output file")
+        if failure is not None:
+            raise failure from None
+        if isinstance(error, RuntimeError):
+            raise
         raise CheckpointError(f"could not export {checkpoint} to {out} ({_first_line(error)})") from None
     return out
 
@@ -330,6 +339,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         path = export_full_state_dict(args.checkpoint, args.out)
+    except StorageError as error:  # before CheckpointError, which it is
+        print(f"error: {error}", file=sys.stderr)
+        return 4  # as utils.training.run_cli
     except CheckpointError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

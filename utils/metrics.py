@@ -26,10 +26,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -40,9 +43,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from utils.checkpoint import replaced_atomically
-
-METRICS_FILE = "metrics.jsonl"
+from utils.checkpoint import (METRICS_FILE, find_run_dir, replaced_atomically, reporting_write_failures,
+                              write_failure)
 
 # --------------------------------------------------------------------------------------- logging
 
@@ -101,6 +103,9 @@ class MetricsLogger:
     ``console_channels`` (names) limit the console to those channels (20 channels x 6 forecast
     metrics would not fit a line); metrics.jsonl and TensorBoard always get every channel.
     A resumed run appends to the existing metrics.jsonl.
+
+    A write that fails for lack of space (or quota, or an I/O error) raises StorageError, one line that
+    names the last good checkpoint; metrics.jsonl keeps only whole records, and the logger is closed.
     """
 
     def __init__(
@@ -119,17 +124,53 @@ class MetricsLogger:
         self.run_dir = Path(run_dir)
         self._jsonl = None
         self._writer = None
+        self._metrics_path = self.run_dir / METRICS_FILE
         if not enabled:
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")
+        with self._reporting("metrics", self._metrics_path):
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            # Unbuffered bytes: a failed write raises at once and leaves nothing queued for close() to retry.
+            self._jsonl = open(self._metrics_path, "ab", buffering=0)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 self._say("tensorboard is not installed: metrics go to metrics.jsonl only (pip install tensorboard)")
             else:
-                self._writer = SummaryWriter(log_dir=str(self.run_dir))
+                _quiet_tensorboard_write_thread()
+                with self._reporting("TensorBoard events in", self.run_dir):
+                    # flush_secs: log() flushes every record itself, so the writer thread never needs to.
+                    self._writer = SummaryWriter(log_dir=str(self.run_dir), flush_secs=10**9)
+
+    @contextlib.contextmanager
+    def _reporting(self, what: str, path: Path):
+        """A failed write becomes StorageError; the logger then closes what it holds without writing more."""
+        try:
+            yield
+        except Exception as error:
+            failure = write_failure(error, what, path, run_dir=self.run_dir)
+            if failure is None:
+                raise
+            self._abandon()
+            raise failure from None
+
+    def _abandon(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()  # unbuffered: closing writes nothing
+            self._jsonl = None
+        self._writer = None  # its thread has stopped with the error; closing it would flush and fail again
+
+    def _append(self, line: bytes) -> None:
+        """Append one record whole: a short write on a full disk is cut off again, so every line stays JSON."""
+        fd = self._jsonl.fileno()
+        size = os.fstat(fd).st_size
+        try:
+            written = 0
+            while written < len(line):
+                written += self._jsonl.write(line[written:])
+        except OSError:
+            os.ftruncate(fd, size)
+            raise
 
     def _say(self, line: str) -> None:
         if self.console is not None:
@@ -149,12 +190,14 @@ class MetricsLogger:
             raise ValueError("MetricsLogger.log called after close()")
         record = {key: _to_python(value) for key, value in record.items()}
         record.setdefault("time", round(time.time(), 3))
-        self._jsonl.write(json.dumps(json_safe(record)) + "\n")
-        self._jsonl.flush()  # a killed run keeps every record written so far
+        with self._reporting("metrics", self._metrics_path):
+            self._append((json.dumps(json_safe(record)) + "\n").encode())  # unbuffered: a killed run keeps it
         if self._writer is not None:
-            for tag, value in self._scalars(record):
-                self._writer.add_scalar(tag, value, global_step=int(record["step"]))
-            self._writer.flush()
+            # The writer thread's error surfaces in these calls.
+            with self._reporting("TensorBoard events in", self.run_dir):
+                for tag, value in self._scalars(record):
+                    self._writer.add_scalar(tag, value, global_step=int(record["step"]))
+                self._writer.flush()
         self._say(self.format_line(record))
 
     def _names_for(self, values: list) -> list[str]:
@@ -202,7 +245,8 @@ class MetricsLogger:
 
     def close(self) -> None:
         if self._writer is not None:
-            self._writer.close()
+            with self._reporting("TensorBoard events in", self.run_dir):
+                self._writer.close()
             self._writer = None
         if self._jsonl is not None:
             self._jsonl.close()
@@ -213,6 +257,24 @@ class MetricsLogger:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def _quiet_tensorboard_write_thread() -> None:
+    """Keep TensorBoard's writer thread from printing a traceback for a full disk.
+
+    The thread stores its error and ends; SummaryWriter raises it again in the next add_scalar or flush,
+    in the training loop, where MetricsLogger reports it as one line. Other errors print as before.
+    """
+    previous = threading.excepthook
+    if getattr(previous, "quiet_tensorboard", False):
+        return
+
+    def hook(args) -> None:
+        if not (type(args.thread).__name__ == "_AsyncWriterThread" and write_failure(args.exc_value, "", ".")):
+            previous(args)
+
+    hook.quiet_tensorboard = True
+    threading.excepthook = hook
 
 
 # ---------------------------------------------------------------------------------------- memory
@@ -660,6 +722,7 @@ def _save_panels(path, rows, aspect: float, title: Optional[str], panel_width_in
         fig.suptitle(title, fontsize=11)
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with replaced_atomically(path) as temporary:
-        fig.savefig(temporary, format="png", dpi=dpi)
+    with reporting_write_failures("picture", path, run_dir=find_run_dir(path)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with replaced_atomically(path) as temporary:
+            fig.savefig(temporary, format="png", dpi=dpi)

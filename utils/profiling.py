@@ -37,7 +37,7 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch.profiler import ProfilerActivity
 
-from utils.checkpoint import replaced_atomically
+from utils.checkpoint import StorageError, find_run_dir, replaced_atomically, reporting_write_failures, write_failure
 from utils.config import Config, ConfigError, ProfileConfig
 from utils.distributed import read_dist_env
 from utils.training import autocast
@@ -92,10 +92,15 @@ def _synchronize(device: torch.device) -> None:
 
 
 def _write_atomically(path: Path, write: Callable[[str], None]) -> Path:
-    """``write(temporary path)`` then rename, so a crash never leaves a half-written file behind."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with replaced_atomically(path) as temporary:
-        write(str(temporary))
+    """``write(temporary path)`` then rename, so a crash never leaves a half-written file behind.
+
+    A full disk (or quota, or an I/O error) raises StorageError: one line, and the run stops like any
+    other failed write of the run.
+    """
+    with reporting_write_failures("profile file", path, run_dir=find_run_dir(path)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with replaced_atomically(path) as temporary:
+            write(str(temporary))
     return path
 
 
@@ -308,7 +313,12 @@ def _export_memory_timeline(prof, cfg: Config, device: torch.device, step: int =
         html = _timeline_html(png.getvalue(), peak, categories, device, step, note)
         _write_atomically(html_path, lambda name: Path(name).write_text(html, encoding="utf-8"))
         return [html_path, png_path]
+    except StorageError:
+        raise  # the disk, not the API: stop the run as any failed write does
     except Exception as error:  # noqa: BLE001 — a private, deprecated API: anything may break
+        failure = write_failure(error, "memory timeline", html_path, run_dir=find_run_dir(html_path))
+        if failure is not None:  # e.g. its temporary JSON on a full /tmp
+            raise failure from None
         reason = str(error).splitlines()[0] if str(error) else ""
         _warn(f"memory timeline not written ({type(error).__name__}: {reason}); the trace is unaffected. "
               "Set --memory_timeline false to skip it, or use --memory_snapshot true on CUDA")
@@ -483,8 +493,11 @@ def maybe_enable_memory_snapshot(cfg: Config, device: torch.device) -> Iterator[
     def on_out_of_memory(device_index, requested, device_allocated, device_free) -> None:
         if state["recording"] and not state["dumped_on_oom"]:
             state["dumped_on_oom"] = True
-            dump(f"out of memory on cuda:{device_index} (asked {requested / 1e9:.2f} GB, "
-                 f"{device_free / 1e9:.2f} GB free)")
+            try:
+                dump(f"out of memory on cuda:{device_index} (asked {requested / 1e9:.2f} GB, "
+                     f"{device_free / 1e9:.2f} GB free)")
+            except StorageError as error:  # called from the allocator: warn, the OOM error follows
+                _warn(f"memory_snapshot: {error}")
 
     torch.cuda.memory._record_memory_history(max_entries=p.memory_snapshot_entries, stacks="python", device=device)
     torch._C._cuda_attach_out_of_memory_observer(on_out_of_memory)
@@ -497,7 +510,12 @@ def maybe_enable_memory_snapshot(cfg: Config, device: torch.device) -> Iterator[
     finally:
         try:
             if not state["dumped_on_oom"]:
-                dump(ending)
+                try:
+                    dump(ending)
+                except StorageError as error:
+                    if ending == "end of run":
+                        raise
+                    _warn(f"memory_snapshot: {error}")  # the error that stopped the run stays the one reported
         finally:
             state["recording"] = False  # observers cannot be detached: this one just stops acting
             torch.cuda.memory._record_memory_history(enabled=None, device=device)

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import random
+import signal
 import sys
+import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
@@ -18,10 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from utils.checkpoint import CheckpointError, capture_rng_state, restore_rng_state, strip_wrapper_prefixes
+from utils.checkpoint import (CheckpointError, StorageError, capture_rng_state, restore_rng_state,
+                              strip_wrapper_prefixes)
 from utils.config import Config, ConfigError
 from utils.data import STEP_STREAM, DataError, stable_hash
-from utils.distributed import DistEnv, device_for
+from utils.distributed import DistEnv, device_for, read_dist_env
 
 
 class NonFiniteLossError(RuntimeError):
@@ -212,14 +216,41 @@ def show_progress(mode: str) -> bool:
 # ----------------------------------------------------------------------------- command line
 
 
+EXIT_CODES = {StorageError: 4, ConfigError: 2, DataError: 2, CheckpointError: 2, NonFiniteLossError: 3}
+"""Exit code of each expected failure, first match wins (StorageError is a CheckpointError): 2 bad input
+(config, data, checkpoint, run directory), 3 the loss diverged, 4 a write failed (disk full, quota, I/O error)."""
+RANK_ERROR_GRACE_S = 10.0
+"""How long a rank other than 0 keeps its error to itself, waiting for the launcher to stop it."""
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer")
+"""gloo's words for a collective whose peer process has exited: the error is another rank's consequence."""
+
+
 def run_cli(main: Callable[[], Optional[int]]) -> None:
-    """Run a script's main(); turn expected failures into one line on stderr and a non-zero exit."""
+    """Run a script's main(); turn expected failures into one line on stderr and a non-zero exit.
+
+    Under torchrun (or srun) an error usually reaches every rank: the same config or data error, a
+    full disk under DCP, or rank 0's failure itself, which breaks the other ranks' collectives
+    ("Connection closed by peer"). Rank 0 reports (one line and the code alone: no traceback and no
+    torchrun error file, which keeps torchrun's own report to its shortest). The other ranks stay
+    silent and wait: when rank 0 exits, torchrun's agent stops them with SIGTERM within a fraction of
+    a second, and they exit 0 then, so that torchrun lists rank 0's failure only. A rank whose error
+    rank 0 did not meet is not stopped: after RANK_ERROR_GRACE_S it reports as "[rank N] error: ..."
+    (or its traceback) and exits, which ends the job; rank 0's own collective then breaks, and rank 0
+    waits as well rather than adding a traceback that only says a peer has gone.
+    """
     try:
         code = main()
-    except (ConfigError, DataError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except NonFiniteLossError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(3)
+    except Exception as error:
+        env = read_dist_env()
+        lost_a_peer = isinstance(error, getattr(torch.distributed, "DistNetworkError", ())) or any(
+            words in str(error) for words in PEER_LOST)
+        if env.world_size > 1 and (env.rank != 0 or lost_a_peer):
+            sys.stdout.flush()
+            signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # stopped as asked: the failing rank reports
+            time.sleep(RANK_ERROR_GRACE_S)
+        code = next((value for kind, value in EXIT_CODES.items() if isinstance(error, kind)), None)
+        if code is None:
+            raise  # a bug: its traceback
+        print(f"{f'[rank {env.rank}] ' if env.rank else ''}error: {error}", file=sys.stderr, flush=True)
+        sys.exit(code)
     sys.exit(code or 0)
