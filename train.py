@@ -1,4 +1,4 @@
-"""Step 0 — the baseline: train a model on ERA5 on one device, whichever the config names:
+"""Step 0a — the baseline: train a model on ERA5 on one device, whichever the config names:
 SwinIR super-resolution (Part I) or the ViT that forecasts six hours ahead (Part II, --config vit_*).
 
 Every later script (profiling, DDP, FSDP) is this file plus one technique, so

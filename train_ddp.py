@@ -1,4 +1,4 @@
-"""Step 3 — data parallelism: train.py plus DistributedDataParallel, one process per GPU.
+"""Step 3a — data parallelism: train.py plus DistributedDataParallel, one process per GPU.
 
 Adds: a process group (nccl on GPUs, gloo on CPU), a DistributedSampler on the global rank, and the
 model wrapped in DDP, which averages gradients over ranks during backward. batch_size stays the

@@ -1,7 +1,7 @@
-"""Step 0 — profiling: train.py plus torch.profiler ranges, memory timeline/snapshot and a throughput breakdown.
+"""Step 0b — profiling: train.py plus torch.profiler ranges, memory timeline/snapshot and a throughput breakdown.
 
 Profiles by default (--profile false makes it train.py); files go to <run_dir>/profile/rank<r>_*; see
-utils/profiling.py and the README's profiling step for what each shows and how to open it.
+utils/profiling.py and docs/part1-swinir.md, Step 0b, for what each shows and how to open it.
 
 Launch (one process; CUDA if available, else CPU):
     python train_with_profiling.py --config quickstart --max_steps 20     # laptop: trace, memory timeline, summary

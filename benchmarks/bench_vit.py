@@ -70,7 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="bf16 runs the forward under autocast")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--threads", type=int, default=0,
-                        help="CPU threads (0 = torch's default); on a shared VM 1 thread is steadier, see README")
+                        help="CPU threads (0 = torch's default); on a shared VM 1 thread is steadier, see benchmarks/README.md")
     parser.add_argument("--peak_seconds", type=float, default=0.3, help="time spent per matmul size for the peak")
     parser.add_argument("--no_memory", dest="memory", action="store_false",
                         help="skip the measured-memory step (two more steps)")

@@ -1,4 +1,4 @@
-"""Step 0 — profiling: where the time and the memory of a training step go.
+"""Step 0b — profiling: where the time and the memory of a training step go.
 
 ``train_with_profiling.py`` is ``train.py`` plus a few lines that use this module. Everything here
 is off unless its key in ``cfg.profile`` (utils/config.py, ProfileConfig) turns it on, and every
@@ -285,7 +285,8 @@ def _export_memory_timeline(prof, cfg: Config, device: torch.device, step: int =
         from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX
 
         with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # its deprecation notice; the README explains
+            # Its deprecation notice; docs/part1-swinir.md (Step 0b, Limits) explains.
+            warnings.simplefilter("ignore", FutureWarning)
             data_path = os.path.join(tmp, "timeline.json")
             prof.export_memory_timeline(data_path, device=_indexed(device))
             with open(data_path) as f:
