@@ -16,8 +16,9 @@ What this module adds to theirs, without changing the arithmetic:
   * the normalisation is inside the model (mean/std buffers, always applied in fp32, as SwinIR
     does), so data, loss and metrics stay in physical units;
   * a clear error when the input is not the size the position embedding was made for;
-  * attention takes its head count from the width of q (width // head_dim), so a tensor-parallel
-    plan that splits q, k, v column-wise (whole heads per rank) needs no change here;
+  * attention takes its head count from the width of q (width // head_dim) and the number of keys
+    from k, so a tensor-parallel plan that splits q, k, v column-wise (whole heads per rank) and a
+    context-parallel one that gathers the keys and values of other ranks need no change here;
   * ``blocks()`` exposes the transformer blocks for activation checkpointing, torch.compile and
     FSDP2, applied from outside (utils/techniques.py).
 """
@@ -52,8 +53,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, N, _ = x.shape
 
-        def heads(t: torch.Tensor) -> torch.Tensor:  # (B, N, h*hd) -> (B, h, N, hd); h from the width
-            return t.view(B, N, -1, self.head_dim).transpose(1, 2)
+        def heads(t: torch.Tensor) -> torch.Tensor:  # (B, n, h*hd) -> (B, h, n, hd); h and n from t
+            return t.view(B, t.shape[1], -1, self.head_dim).transpose(1, 2)
 
         out = F.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)))
         return self.proj(out.transpose(1, 2).reshape(B, N, -1))

@@ -3,8 +3,11 @@
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -51,6 +54,39 @@ def reference_run(tiny_data, tmp_path_factory) -> Path:
     return run
 
 
+# The ViT forecaster in miniature (tests/test_vit_training.py, tests/test_mp.py): 16x32 fields, patch 4.
+VIT_MODEL = ["--img_size", "[16, 32]", "--patch_size", "4", "--embed_dim", "16", "--depths", "[2]",
+             "--num_heads", "[2]"]
+# 2 files x 11 pairs / batch 4 = 5 steps per epoch: 7 steps cross the epoch boundary; validations at
+# steps 4 and 7; checkpoints at 3, 5 (end of epoch), 6 and 7.
+VIT_STEPS = ("--max_steps", "7", "--log_every", "1", "--val_every", "4", "--ckpt_every", "3",
+             "--keep_checkpoints", "10")
+
+
+@pytest.fixture(scope="session")
+def vit_data(tmp_path_factory):
+    """NERSC's layout in miniature: 20 channels, 6-hourly, 17x32 stored grid, stats/ included."""
+    from datasets.make_synthetic_era5 import make_synthetic_era5
+
+    root = tmp_path_factory.mktemp("era5_nersc")
+    make_synthetic_era5(root, samples_per_year=12, height=17, width=32, seed=0, train_years=(2008, 2010),
+                        valid_years=(2015,), channels="nersc20", hours_per_step=6, stats=True, progress=False)
+    return root
+
+
+def vit_args(data_dir, run_dir, *extra: str) -> list[str]:
+    return ["--config", "vit_quickstart", "--data_dir", str(data_dir), "--run_dir", str(run_dir), "--batch_size", "4",
+            "--val_samples", "5", "--num_workers", "0", "--progress", "never", *VIT_MODEL, *extra]
+
+
+@pytest.fixture(scope="session")
+def vit_reference(vit_data, tmp_path_factory) -> Path:
+    """The miniature ViT under train.py with VIT_STEPS: what every other layout must reproduce."""
+    run = tmp_path_factory.mktemp("vit_reference") / "single"
+    run_script("train.py", *vit_args(vit_data, run, *VIT_STEPS))
+    return run
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -78,12 +114,56 @@ def resume_from(source: Path, step: int, run_dir: Path) -> Path:
 
 
 def run_script(*args: str, timeout: float = 240, env_extra: dict | None = None, check: bool = True,
-               launcher: list[str] | None = None) -> subprocess.CompletedProcess:
-    """Run a project script (e.g. "train.py", "--config", ...) in a fresh interpreter from the repo root."""
+               launcher: list[str] | None = None, ranks: int = 0) -> subprocess.CompletedProcess:
+    """Run a project script (e.g. "train.py", "--config", ...) in a fresh interpreter from the repo root.
+
+    ``ranks=N`` starts N processes with the variables torchrun gives its workers (RANK, LOCAL_RANK,
+    WORLD_SIZE, MASTER_ADDR, ...), without torchrun itself, whose own start-up (an interpreter that
+    imports torch, then a rendezvous) costs about 4 s per launch on 2 cores; stdout and stderr are
+    the ranks' in rank order. Tests of what torchrun itself does (stopping the other ranks when one
+    fails) use ``launcher`` with real torchrun.
+    """
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     cmd = (launcher or [sys.executable]) + list(args)
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if ranks:
+        proc = _run_ranks([sys.executable, *args], ranks, env, timeout)
+    else:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
+        raise AssertionError(f"{' '.join(proc.args)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
                              f"--- stderr\n{proc.stderr[-4000:]}")
     return proc
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run_ranks(cmd: list[str], n: int, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """``cmd`` as ranks 0..n-1 of one job on this machine; a rank that fails stops the others (as torchrun)."""
+    common = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(n),
+              "LOCAL_WORLD_SIZE": str(n), "GROUP_RANK": "0"}
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = [(open(f"{tmp}/{r}.out", "w+"), open(f"{tmp}/{r}.err", "w+")) for r in range(n)]
+        procs = [subprocess.Popen(cmd, cwd=REPO, env={**common, "RANK": str(r), "LOCAL_RANK": str(r)},
+                                  stdout=out, stderr=err, text=True) for r, (out, err) in enumerate(outs)]
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs):
+            failed = any(p.returncode not in (None, 0) for p in procs)
+            if failed or time.monotonic() > deadline:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                break
+            time.sleep(0.05)
+        codes = [p.wait() for p in procs]
+        texts = []
+        for out, err in outs:
+            out.seek(0), err.seek(0)
+            texts.append((out.read(), err.read()))
+            out.close(), err.close()
+    code = next((c for c in codes if c != 0), 0)
+    return subprocess.CompletedProcess([f"RANK=0..{n - 1}", *cmd], code, "".join(t[0] for t in texts),
+                                       "".join(t[1] for t in texts))

@@ -49,7 +49,7 @@ def launch_beside_reference(script: str, name: str, tiny_data, reference_run, tm
     """``script`` on 2 ranks with the reference's arguments (same global batch and seed):
     {"single": the session's train.py reference run, name: this run's folder}."""
     run = tmp_path_factory.mktemp(f"{name}_runs") / name
-    proc = run_script(script, *tiny_args(tiny_data, run, *STEPS), launcher=TORCHRUN)
+    proc = run_script(script, *tiny_args(tiny_data, run, *STEPS), ranks=2)
     assert "world_size=2 nodes=1 backend=gloo" in proc.stdout
     return {"single": reference_run, name: run}
 
@@ -118,7 +118,7 @@ def test_one_device_checkpoint_resumes_in_compiled_ddp(runs, tiny_data, tmp_path
     # blocks under DDP must continue eager train.py's trajectory.
     moved = resume_from(runs["single"], 3, tmp_path / "moved")
     proc = run_script("train_ddp.py", *tiny_args(tiny_data, moved, *STEPS, "--max_steps", "6", "--resume",
-                                                 "--compile", "true"), launcher=TORCHRUN)
+                                                 "--compile", "true"), ranks=2)
     assert "resumed from" in proc.stdout and "step_00000003.pt" in proc.stdout
     assert_same_weights(weights_at(runs["single"], 6), weights_at(moved, 6))
 
@@ -128,9 +128,9 @@ def test_resume_with_stochastic_depth_on_two_ranks_is_exact(tiny_data, tmp_path)
     # saving, and the resumed run repeats the uninterrupted one.
     common = (*STEPS, "--max_steps", "6", "--drop_path_rate", "0.5")
     reference = tmp_path / "reference"
-    run_script("train_ddp.py", *tiny_args(tiny_data, reference, *common), launcher=TORCHRUN)
+    run_script("train_ddp.py", *tiny_args(tiny_data, reference, *common), ranks=2)
     resumed = resume_from(reference, 3, tmp_path / "resumed")
-    run_script("train_ddp.py", *tiny_args(tiny_data, resumed, *common, "--resume"), launcher=TORCHRUN)
+    run_script("train_ddp.py", *tiny_args(tiny_data, resumed, *common, "--resume"), ranks=2)
     a, b = weights_at(reference, 6), weights_at(resumed, 6)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ"
     assert train_losses(resumed) == train_losses(reference)[3:]

@@ -11,12 +11,9 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import TINY_MODEL, read_metrics, resume_from, run_script, tiny_args, weights_at
-from tests.test_ddp import TORCHRUN, assert_same_weights, launch_beside_reference, train_losses
+from tests.test_ddp import assert_same_weights, launch_beside_reference, train_losses
 from utils.checkpoint import CheckpointError
 from utils.config import ConfigError, build_config
-
-TORCHRUN_4 = [*TORCHRUN[:-1], "4"]
-
 
 def ckpt(run_dir, step: int):
     return run_dir / "checkpoints" / f"step_{step:08d}"
@@ -75,7 +72,7 @@ def test_resume_on_two_ranks_is_exact(runs, tiny_data, tmp_path):
     fsdp = runs["fsdp"]
     resumed = resume_from(fsdp, 3, tmp_path / "resumed")
     proc = run_script("train_fsdp.py", *tiny_args(tiny_data, resumed, "--max_steps", "6", "--log_every", "1",
-                                                  "--resume"), launcher=TORCHRUN)
+                                                  "--resume"), ranks=2)
     assert "resumed from" in proc.stdout and "step_00000003" in proc.stdout
     a, b = exported(fsdp, 6), exported(resumed, 6)
     for key in a["model"]:
@@ -95,7 +92,7 @@ def test_hsdp_2x2_with_ac_and_compile_resumes_a_2_rank_checkpoint(runs, tiny_dat
     run_script("train_fsdp.py", *tiny_args(tiny_data, hsdp, "--max_steps", "6", "--log_every", "1",
                                            "--hsdp_replicas", "2", "--ac", "block", "--resume",
                                            "--compile", "true", "--compile_backend", "aot_eager"),
-               launcher=TORCHRUN_4)
+               ranks=4)
     assert_same_weights(exported(hsdp, 6)["model"], weights_at(runs["single"], 6))
     torch.testing.assert_close(train_losses(hsdp), train_losses(runs["single"])[3:6], rtol=1e-4, atol=1e-5)
     memory = next(r for r in read_metrics(hsdp) if r["kind"] == "memory")
@@ -108,7 +105,7 @@ def test_bf16_policy_trains_and_tracks_fp32(runs, tiny_data, tmp_path):
     bf16 = tmp_path / "bf16"
     run_script("train_fsdp.py", *tiny_args(tiny_data, bf16, "--max_steps", "10", "--log_every", "1",
                                            "--param_dtype", "bf16", "--reduce_dtype", "fp32", "--fsdp_unit", "layer",
-                                           "--ac", "block", "--reshard_after_forward", "false"), launcher=TORCHRUN)
+                                           "--ac", "block", "--reshard_after_forward", "false"), ranks=2)
     fp32_losses, bf16_losses = train_losses(runs["fsdp"]), train_losses(bf16)
     assert len(bf16_losses) == 10
     torch.testing.assert_close(bf16_losses, fp32_losses, rtol=0.03, atol=0)

@@ -256,7 +256,7 @@ def test_vit_mp_does_not_fit_one_gpu_without_model_parallelism():
 
 
 def test_vit_rejects_what_it_cannot_do():
-    with pytest.raises(ConfigError, match="ac 'layer'"):
+    with pytest.raises(ConfigError, match="ac/fsdp_unit 'layer'"):
         estimate(build_config("vit_base", {"ac": "layer"}), device_type="cuda")
     with pytest.raises(ConfigError, match="fsdp_unit 'layer'"):
         estimate(build_config("vit_base", {"fsdp_unit": "layer"}), 2, "fsdp", "cuda")

@@ -79,6 +79,9 @@ CPU_RUN = {
     "python train.py --config vit_quickstart":
         "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 4 --batch_size 4",
     "python rollout.py --checkpoint runs/vit_quickstart --steps 8 --samples 32": "... --samples 2",
+    # docs/beyond-data-parallel.md
+    "torchrun --standalone --nproc-per-node 2 train_mp.py --config vit_quickstart --tp 2 --run_dir runs/vit_tp2":
+        "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 4 --batch_size 4",
 }
 CPU_RUN = {shlex.join(shlex.split(key)): value for key, value in CPU_RUN.items()}  # as the pages' commands
 TRAINS = re.compile(r"\btrain\w*\.py\b|\btorchrun\b|bench_ddp_overhead")
@@ -293,7 +296,8 @@ def executed(tiny_data, tmp_path_factory) -> dict[str, Result]:
     finally:
         os.chdir(cwd)
     total = sum(r.seconds for r in results.values())
-    print(f"\nREADME commands: {len(results)} run in {total:.0f} s", file=sys.__stderr__)
+    slowest = ", ".join(f"{r.seconds:.0f} s {cmd[:60]}" for cmd, r in sorted(results.items(), key=lambda kv: -kv[1].seconds)[:4])
+    print(f"\nREADME commands: {len(results)} run in {total:.0f} s; slowest: {slowest}", file=sys.__stderr__)
     return results
 
 

@@ -11,47 +11,24 @@ import pytest
 import torch
 
 from models import build_model
-from tests.conftest import read_metrics, resume_from, run_script, weights_at
-from tests.test_ddp import TORCHRUN, assert_same_weights, train_losses
+from tests.conftest import VIT_STEPS, read_metrics, resume_from, run_script, vit_args, weights_at
+from tests.test_ddp import assert_same_weights, train_losses
 from tests.test_fsdp import exported
 from utils.checkpoint import load_checkpoint
 from utils.config import build_config
 from utils.techniques import apply_ac, apply_compile
 from utils.training import autocast, build_loss
 
-VIT_MODEL = ["--img_size", "[16, 32]", "--patch_size", "4", "--embed_dim", "16", "--depths", "[2]",
-             "--num_heads", "[2]"]
-# 2 files x 11 pairs / batch 4 = 5 steps per epoch: 7 steps cross the epoch boundary; validations at
-# steps 4 and 7; checkpoints at 3, 5 (end of epoch), 6 and 7.
-VIT_STEPS = ("--max_steps", "7", "--log_every", "1", "--val_every", "4", "--ckpt_every", "3",
-             "--keep_checkpoints", "10")
 FORECAST_METRICS = ("rmse", "acc", "persistence_rmse", "persistence_acc", "climatology_rmse", "climatology_acc")
 
 
-@pytest.fixture(scope="session")
-def vit_data(tmp_path_factory):
-    """NERSC's layout in miniature: 20 channels, 6-hourly, 17x32 stored grid, stats/ included."""
-    from datasets.make_synthetic_era5 import make_synthetic_era5
-
-    root = tmp_path_factory.mktemp("era5_nersc")
-    make_synthetic_era5(root, samples_per_year=12, height=17, width=32, seed=0, train_years=(2008, 2010),
-                        valid_years=(2015,), channels="nersc20", hours_per_step=6, stats=True, progress=False)
-    return root
-
-
-def vit_args(data_dir, run_dir, *extra: str) -> list[str]:
-    return ["--config", "vit_quickstart", "--data_dir", str(data_dir), "--run_dir", str(run_dir), "--batch_size", "4",
-            "--val_samples", "5", "--num_workers", "0", "--progress", "never", *VIT_MODEL, *extra]
-
-
 @pytest.fixture(scope="module")
-def vit_runs(vit_data, tmp_path_factory):
+def vit_runs(vit_data, vit_reference, tmp_path_factory):
     """train.py, train_ddp.py and train_fsdp.py (2 ranks each) with the same global batch and seed."""
     root = tmp_path_factory.mktemp("vit_runs")
-    runs = {"single": root / "single", "ddp": root / "ddp", "fsdp": root / "fsdp"}
-    run_script("train.py", *vit_args(vit_data, runs["single"], *VIT_STEPS))
+    runs = {"single": vit_reference, "ddp": root / "ddp", "fsdp": root / "fsdp"}
     for name in ("ddp", "fsdp"):
-        proc = run_script(f"train_{name}.py", *vit_args(vit_data, runs[name], *VIT_STEPS), launcher=TORCHRUN)
+        proc = run_script(f"train_{name}.py", *vit_args(vit_data, runs[name], *VIT_STEPS), ranks=2)
         assert "world_size=2 nodes=1 backend=gloo" in proc.stdout
     return runs
 
@@ -99,10 +76,8 @@ def test_resume_is_exact_and_crosses_layouts(vit_runs, vit_data, tmp_path):
     run_script("train.py", *vit_args(vit_data, run, *VIT_STEPS, "--resume"))
     for key, value in weights_at(single, 7).items():
         torch.testing.assert_close(weights_at(run, 7)[key], value, rtol=0, atol=0, msg=key)
-    # A DDP checkpoint, and an FSDP one exported to a file, continue on one device to the same weights.
-    run = resume_from(vit_runs["ddp"], 3, tmp_path / "from_ddp")
-    run_script("train.py", *vit_args(vit_data, run, *VIT_STEPS, "--resume"))
-    assert_same_weights(weights_at(run, 7), weights_at(single, 7))
+    # An FSDP checkpoint exported to a file continues on one device to the same weights (a DDP checkpoint
+    # is a train.py file: tests/test_ddp.py resumes one).
     run = tmp_path / "from_fsdp"
     (run / "checkpoints").mkdir(parents=True)
     exported(vit_runs["fsdp"], 3)

@@ -192,6 +192,13 @@ class DistConfig:
     """FSDP2: free gathered parameters after forward (ZeRO-3) or keep them (ZeRO-2)."""
     hsdp_replicas: int = 1
     """HSDP: >1 builds a 2-D mesh (replicas x shards): replicate across, shard within."""
+    tp: int = 1
+    """train_mp.py: tensor-parallel ranks per model replica (each holds whole heads, 1/tp of the MLP)."""
+    cp: int = 1
+    """train_mp.py: context-parallel ranks per model replica (each holds one latitude band of tokens; ViT)."""
+    parallel_order: str = "tp-cp-dp"
+    """train_mp.py: mesh dimensions from the fastest-varying rank to the slowest (NERSC's --parallel_order):
+    tp-cp-dp puts a tensor-parallel group on consecutive ranks, i.e. inside a node."""
     dist_timeout_s: float = 300.0
     """Collective timeout in seconds: a job whose peer died fails instead of hanging."""
 
@@ -403,6 +410,15 @@ def validate(cfg: Config) -> None:
         if height % m.patch_size or width % m.patch_size:
             raise ConfigError(f"img_size {height}x{width} is not divisible by patch_size {m.patch_size}: "
                               "use a patch size that divides both sides")
+    if cfg.dist.tp < 1 or cfg.dist.cp < 1:
+        raise ConfigError(f"tp and cp must be >= 1, got tp {cfg.dist.tp}, cp {cfg.dist.cp}")
+    if sorted(cfg.dist.parallel_order.split("-")) != ["cp", "dp", "tp"]:
+        raise ConfigError(f"parallel_order must name tp, cp and dp once each, joined by '-' (e.g. tp-cp-dp), "
+                          f"got {cfg.dist.parallel_order!r}")
+    bad_heads = [h for h in m.num_heads if h % cfg.dist.tp]
+    if bad_heads:
+        raise ConfigError(f"num_heads {m.num_heads} must be divisible by tp {cfg.dist.tp}: each tensor-parallel "
+                          "rank holds whole heads; use a tp that divides every num_heads")
     if len(m.mean) != len(m.std) or (m.mean and len(m.mean) != m.in_chans):
         raise ConfigError(f"mean and std need {m.in_chans} values each (in_chans), or both empty "
                           f"(= from <data_dir>/stats); got {len(m.mean)} and {len(m.std)}")

@@ -17,6 +17,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from utils.config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,37 @@ def init_distributed(timeout_s: float = 300.0) -> tuple[DistEnv, torch.device]:
         device_id=device if device.type == "cuda" else None,
     )
     return env, device
+
+
+MP_DIMS = ("dp", "cp", "tp")
+
+
+def mp_mesh_layout(world_size: int, tp: int, cp: int, order: str = "tp-cp-dp") -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """(shape, names) of the model-parallel mesh, slowest-varying dimension first.
+
+    ``order`` lists the dimensions from the fastest-varying rank to the slowest (NERSC's
+    ``--parallel_order``): with the default tp-cp-dp, ranks 0..tp-1 form the first tensor-parallel
+    group, and torchrun numbers a node's ranks consecutively, so tp (the chattiest: collectives in
+    every layer) stays on a node's NVLink while dp crosses nodes. dp = world_size / (tp * cp).
+    """
+    if world_size % (tp * cp):
+        raise ConfigError(f"tp {tp} x cp {cp} = {tp * cp} does not divide the {world_size} ranks: choose tp and cp "
+                          f"whose product divides the number of processes (dp = ranks / (tp x cp))")
+    sizes = {"dp": world_size // (tp * cp), "cp": cp, "tp": tp}
+    names = tuple(reversed(order.split("-")))
+    return tuple(sizes[name] for name in names), names
+
+
+def build_mp_mesh(world_size: int, tp: int, cp: int, order: str, device: torch.device):
+    """The ("dp", "cp", "tp") DeviceMesh of train_mp.py, plus "dp_cp" (both flattened: the ranks that hold the
+    same parameters and average their gradients, FSDP2's mesh). One process: a group of its own."""
+    shape, names = mp_mesh_layout(world_size, tp, cp, order)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
+                                rank=0, world_size=1)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    mesh[tuple(name for name in names if name in ("dp", "cp"))]._flatten("dp_cp")
+    return mesh
 
 
 def cleanup_distributed() -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
@@ -92,8 +93,11 @@ def mixed_precision(dist_cfg, cast_forward_inputs: bool = True) -> MixedPrecisio
                                 reduce_dtype=DTYPES[dist_cfg.reduce_dtype], cast_forward_inputs=cast_forward_inputs)
 
 
-def apply_fsdp(model: nn.Module, cfg, device: torch.device) -> nn.Module:
+def apply_fsdp(model: nn.Module, cfg, device: torch.device, mesh: Optional[DeviceMesh] = None) -> nn.Module:
     """``fully_shard`` each unit (``fsdp_unit``: block or SwinIR RSTB), then the root; returns the model.
+
+    ``mesh``: the data-parallel mesh to shard over (train_mp.py: dp x cp, whose tensor-parallel
+    DTensors then become 2-D); by default all ranks (FSDP) or replicas x shards (HSDP).
 
     Units are sharded first so that each unit's parameters are gathered just before it runs and
     freed after; the root then owns what is left (convolutions, norms, upsampler). The model must
@@ -106,7 +110,7 @@ def apply_fsdp(model: nn.Module, cfg, device: torch.device) -> nn.Module:
     ViT's position embedding is a parameter (gathered in param_dtype).
     """
     d = cfg.dist
-    mesh = build_mesh(d.hsdp_replicas, device)
+    mesh = build_mesh(d.hsdp_replicas, device) if mesh is None else mesh
     for unit in ac_units(model, d.fsdp_unit):
         fully_shard(unit, mesh=mesh, mp_policy=mixed_precision(d), reshard_after_forward=d.reshard_after_forward)
     # Root: reshard_after_forward left to FSDP (False for the root: backward needs its weights first).
@@ -135,17 +139,21 @@ def optimizer_state_bytes(model: nn.Module, optimizer: Optional[torch.optim.Opti
     return measured or 2 * _bytes(model.parameters())
 
 
-def memory_record(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, step: int = 0) -> dict:
+def memory_record(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, step: int = 0,
+                  activations_bytes: Optional[int] = None) -> dict:
     """Metrics record (kind "memory") of parameters + gradients + optimizer state per rank vs DDP.
 
-    Collective: every rank must call it. ``shards``: ranks that split each parameter (world size for
-    FSDP, ranks per replica for HSDP). Sizes in MB (1e6 bytes), of the largest rank; total_mb_min is
-    the smallest (shards differ by at most a row). ddp_total_mb is what each DDP rank holds:
-    full fp32 copies of all three. Activations, all-gathered parameters and communication buffers
-    come on top, in both cases.
+    Collective: every rank must call it. ``shards``: ranks that split the largest parameter (world
+    size for FSDP, ranks per replica for HSDP, dp x cp x tp for a column-wise weight under
+    train_mp.py). Sizes in MB (1e6 bytes), of the largest rank; total_mb_min is the smallest
+    (shards differ by at most a row). ddp_total_mb is what each DDP rank holds: full fp32 copies of
+    all three. ``activations_bytes`` (this rank's tensors saved for backward in one step, see
+    utils.memory.saved_activations) adds activations_mb, the largest rank's. All-gathered
+    parameters and communication buffers come on top.
     """
     params = _bytes(model.parameters())
-    local = torch.tensor([params, params, optimizer_state_bytes(model, optimizer)], dtype=torch.float64)
+    columns = [params, params, optimizer_state_bytes(model, optimizer), activations_bytes or 0]
+    local = torch.tensor(columns, dtype=torch.float64)
     device = _local(next(model.parameters())).device
     world = dist.get_world_size() if dist.is_initialized() else 1
     gathered = [torch.zeros_like(local, device=device) for _ in range(world)]
@@ -153,17 +161,26 @@ def memory_record(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] =
         dist.all_gather(gathered, local.to(device))
     else:
         gathered[0] = local
-    per_rank = torch.stack(gathered).cpu() / 1e6  # (ranks, [params, grads, optimizer])
+    per_rank = torch.stack(gathered).cpu() / 1e6  # (ranks, [params, grads, optimizer, activations])
+    states = per_rank[:, :3]
     full_params = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
     ddp_total = 4 * full_params  # parameters + gradients + AdamW's two moments
-    largest = per_rank[per_rank.sum(1).argmax()]
-    mesh = getattr(next(model.parameters()), "device_mesh", None)
-    shards = mesh.size(mesh.ndim - 1) if mesh is not None else 1
-    return {"kind": "memory", "step": step, "ranks": world, "shards": shards,
-            "params_mb": largest[0].item(), "grads_mb": largest[1].item(),
-            "optimizer_mb": largest[2].item(), "total_mb": largest.sum().item(),
-            "total_mb_min": per_rank.sum(1).min().item(), "ddp_total_mb": ddp_total,
-            "vs_ddp": largest.sum().item() / ddp_total}
+    largest = states[states.sum(1).argmax()]
+    record = {"kind": "memory", "step": step, "ranks": world, "shards": _shards(model),
+              "params_mb": largest[0].item(), "grads_mb": largest[1].item(),
+              "optimizer_mb": largest[2].item(), "total_mb": largest.sum().item(),
+              "total_mb_min": states.sum(1).min().item(), "ddp_total_mb": ddp_total,
+              "vs_ddp": largest.sum().item() / ddp_total}
+    if activations_bytes is not None:
+        record["activations_mb"] = per_rank[:, 3].max().item()
+    return record
+
+
+def _shards(model: nn.Module) -> int:
+    """Ranks that split the largest parameter: the product of the mesh sizes along which it is sharded."""
+    largest = max(model.parameters(), key=lambda p: p.numel())
+    placements = getattr(largest, "placements", ())
+    return math.prod(largest.device_mesh.size(i) for i, p in enumerate(placements) if p.is_shard()) or 1
 
 
 # ----------------------------------------------------------------------------- sharded checkpoints

@@ -856,6 +856,7 @@ class SavedTensorBytes:
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = (), hold: bool = True):
+        exclude = [getattr(t, "_local_tensor", t) for t in exclude]
         self._excluded = {id(t.untyped_storage()): weakref.ref(t.untyped_storage()) for t in exclude}
         self._seen: dict[int, weakref.ref] = {}
         self.hold = hold
@@ -864,7 +865,13 @@ class SavedTensorBytes:
         self.count = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
-    def _pack(self, tensor: torch.Tensor):
+    def _pack(self, saved: torch.Tensor):
+        # A DTensor (tensor parallelism) holds this rank's shard; an FSDP2 parameter gathered for this
+        # block is a parameter (or a view of one), not an activation.
+        tensor = getattr(saved, "_local_tensor", saved)
+        base = tensor if tensor._base is None else tensor._base
+        if isinstance(base, nn.Parameter) or isinstance(getattr(saved, "_base", None), nn.Parameter):
+            return saved if self.hold else None
         storage = tensor.untyped_storage()
         key = id(storage)
         if not (self._is(self._seen, key, storage) or self._is(self._excluded, key, storage)):
@@ -873,7 +880,7 @@ class SavedTensorBytes:
             dtype = str(tensor.dtype).removeprefix("torch.")
             self.bytes_by_dtype[dtype] = self.bytes_by_dtype.get(dtype, 0) + storage.nbytes()
             self.count += 1
-        return tensor if self.hold else None
+        return saved if self.hold else None
 
     @staticmethod
     def _is(refs: dict, key: int, storage) -> bool:
@@ -885,6 +892,10 @@ class SavedTensorBytes:
         if packed is None:
             raise RuntimeError("SavedTensorBytes(hold=False) dropped the saved tensors: backward is impossible")
         return packed
+
+    def counting(self, enabled: bool = True):
+        """This counter as a context manager, or one that counts nothing (e.g. on all but the first step)."""
+        return self if enabled else contextlib.nullcontext()
 
     def __enter__(self) -> "SavedTensorBytes":
         self._hooks.__enter__()

@@ -1,6 +1,8 @@
-"""Scaling techniques, applied from outside to a plain model, always in this order:
+"""Scaling techniques, applied from outside to a plain model, always in this order (torchtitan's):
 
-    activation checkpointing -> torch.compile -> DDP / FSDP2
+    tensor parallel -> context parallel -> activation checkpointing -> torch.compile -> DDP / FSDP2
+
+(tensor and context parallelism: utils/tensor_parallel.py, utils/context_parallel.py.)
 
 Each function takes the model and returns it (modified in place where possible), so a training
 script reads ``model = apply_ac(model, ...); model = apply_compile(model, ...)`` and the model
@@ -90,11 +92,12 @@ def apply_ddp(model: nn.Module, cfg, device: torch.device) -> nn.Module:
     )
 
 
-def apply_fsdp(model: nn.Module, cfg, device: torch.device) -> nn.Module:
-    """FSDP2: fully_shard each block (or SwinIR RSTB) and the root, FSDP or HSDP (utils.fsdp.apply_fsdp).
+def apply_fsdp(model: nn.Module, cfg, device: torch.device, mesh=None) -> nn.Module:
+    """FSDP2: fully_shard each block (or SwinIR RSTB) and the root, FSDP or HSDP (utils.fsdp.apply_fsdp);
+    over ``mesh`` if given (train_mp.py: the dp x cp ranks).
 
     Build the optimizer after this call: it must hold the sharded parameters.
     """
     from utils.fsdp import apply_fsdp as shard  # utils.fsdp imports this module
 
-    return shard(model, cfg, device)
+    return shard(model, cfg, device, mesh)

@@ -1,0 +1,140 @@
+"""train_mp.py: tensor and context parallelism on a dp x cp x tp mesh equal one device.
+
+- Every layout (dp2 x tp2, dp2 x cp2 with an uneven 2 + 1 row split, tp2 x cp2 with activation
+  checkpointing, another rank order),
+  step by step: all gradients after each backward and all weights after 3 AdamW steps equal one
+  process (tests/mp_layouts.py, one 4-process launch). The same check run on cp ranks whose
+  gradients are averaged over dp only (NERSC DL4SCI25's final-norm bug) must fail.
+- train_mp.py end to end: tp 2 reproduces train.py's losses, weights, Adam moments and validation
+  metrics; its DCP checkpoint resumes under cp 2 to the same weights.
+- Bad input: one line each.
+"""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+
+import pytest
+import torch
+
+from models import build_model
+from tests.conftest import REPO, VIT_STEPS, read_metrics, resume_from, run_script, vit_args, weights_at
+from tests.test_ddp import assert_same_weights, train_losses
+from tests.test_fsdp import exported
+from tests.test_vit_training import FORECAST_METRICS, optimizer_moments, val_records
+from utils.checkpoint import load_checkpoint
+from utils.config import ConfigError, build_config
+from utils.context_parallel import apply_cp, band_rows
+from utils.distributed import cleanup_distributed, mp_mesh_layout
+from utils.tensor_parallel import apply_tp
+
+
+# ------------------------------------------------------------------ every layout, step by step
+
+
+def test_every_layout_gives_one_process_gradients_and_a_missing_cp_reduction_is_caught():
+    proc = run_script("tests/mp_layouts.py", ranks=4)
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    layouts = [(r["tp"], r["cp"], r["order"]) for r in results if r["fold_cp"]]
+    assert layouts == [(2, 1, "tp-cp-dp"), (1, 2, "tp-cp-dp"), (2, 2, "tp-cp-dp"), (2, 1, "dp-cp-tp")]
+    for result in results:
+        assert result["parameters"] == 38  # every parameter of the 2-block ViT is compared
+        if result["fold_cp"]:
+            assert result["grads_differ"] == [] and result["weights_differ"] == [], result
+    unreduced = next(r for r in results if not r["fold_cp"])
+    assert {"norm.weight", "norm.bias", "pos_embed", "head.weight"} <= set(unreduced["grads_differ"])
+
+
+# ------------------------------------------------------------------ train_mp.py end to end
+
+
+@pytest.fixture(scope="module")
+def mp_runs(vit_data, vit_reference, tmp_path_factory):
+    """tp 2 from scratch; cp 2 resumed from tp 2's step-3 checkpoint (DCP reshards across layouts)."""
+    root = tmp_path_factory.mktemp("mp_runs")
+    runs = {"single": vit_reference, "tp2": root / "tp2"}
+    proc = run_script("train_mp.py", *vit_args(vit_data, runs["tp2"], *VIT_STEPS, "--tp", "2"), ranks=2)
+    assert "world_size=2 nodes=1 backend=gloo | mesh dp 1 x cp 1 x tp 2" in proc.stdout
+    runs["cp2"] = resume_from(runs["tp2"], 3, root / "cp2")
+    proc = run_script("train_mp.py", *vit_args(vit_data, runs["cp2"], *VIT_STEPS, "--cp", "2", "--resume"), ranks=2)
+    assert "mesh dp 1 x cp 2 x tp 1" in proc.stdout and "resumed from" in proc.stdout
+    return runs
+
+
+def test_tensor_parallel_run_equals_one_device(mp_runs):
+    single, tp2 = mp_runs["single"], mp_runs["tp2"]
+    torch.testing.assert_close(train_losses(tp2), train_losses(single), rtol=1e-4, atol=1e-6)
+    for step in (3, 7):
+        payload = exported(tp2, step)
+        reference = load_checkpoint(single / "checkpoints" / f"step_{step:08d}.pt")
+        assert_same_weights(payload["model"], reference["model"])
+        for mine, theirs in zip(optimizer_moments(payload), optimizer_moments(reference), strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-7)
+    for mine, theirs in zip(val_records(tp2), val_records(single), strict=True):
+        for key in FORECAST_METRICS:
+            torch.testing.assert_close(mine[key], theirs[key], rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_a_tp_checkpoint_resumes_under_cp(mp_runs):
+    # (Exported, a train_mp.py checkpoint is a train.py file: the test above compares those of steps 3
+    # and 7 with train.py's own, optimizer included.)
+    single, cp2 = mp_runs["single"], mp_runs["cp2"]
+    torch.testing.assert_close(train_losses(cp2), train_losses(single)[3:], rtol=1e-4, atol=1e-6)
+    assert_same_weights(exported(cp2, 7)["model"], weights_at(single, 7))
+
+
+def test_memory_report_per_rank(mp_runs):
+    memory = {name: next(r for r in read_metrics(mp_runs[name]) if r["kind"] == "memory") for name in ("tp2", "cp2")}
+    for record in memory.values():
+        assert record["ranks"] == 2 and record["activations_mb"] > 0
+    # tp halves every block's weights (column- and row-wise); cp replicates them (and shards them over
+    # dp x cp with FSDP2: here dp x cp = 2, so cp's FSDP shards are halves too).
+    assert memory["tp2"]["total_mb"] < memory["tp2"]["ddp_total_mb"]
+    assert memory["cp2"]["total_mb"] == pytest.approx(memory["cp2"]["ddp_total_mb"] / 2, rel=0.05)
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def test_mesh_layout_and_its_errors():
+    assert mp_mesh_layout(8, 2, 1) == ((4, 1, 2), ("dp", "cp", "tp"))  # tp fastest: consecutive ranks
+    assert mp_mesh_layout(8, 2, 2, "dp-cp-tp") == ((2, 2, 2), ("tp", "cp", "dp"))
+    with pytest.raises(ConfigError, match="tp 3 x cp 1 = 3 does not divide the 4 ranks"):
+        mp_mesh_layout(4, 3, 1)
+    with pytest.raises(ConfigError, match="num_heads \\[4\\] must be divisible by tp 3"):
+        build_config("vit_quickstart", {"tp": 3})
+    with pytest.raises(ConfigError, match="parallel_order"):
+        build_config("vit_quickstart", {"parallel_order": "tp-dp"})
+    assert band_rows(45, 2) == [23, 22] and band_rows(3, 3) == [1, 1, 1]
+    with pytest.raises(ConfigError, match="cp 4 is larger than the 3 rows of patch tokens"):
+        band_rows(3, 4)
+
+
+class _Mesh:  # what apply_tp / apply_cp read of a 1-D mesh before they need a process group
+    def size(self):
+        return 2
+
+
+def test_models_without_a_plan_are_refused():
+    swinir = build_model(build_config("quickstart").model)
+    with pytest.raises(ConfigError, match="no tensor-parallel plan for SwinIR"):
+        apply_tp(swinir, _Mesh())
+    with pytest.raises(ConfigError, match="context parallelism splits the ViT's tokens"):
+        apply_cp(swinir, _Mesh())
+
+
+def test_bad_layout_on_the_command_line_is_one_line(vit_data, tmp_path, monkeypatch, capsys):
+    # In this process (no torchrun: 1 rank), as tests/test_script_invariants.py runs the scripts.
+    monkeypatch.setattr(sys, "argv", ["train_mp.py", *vit_args(vit_data, tmp_path / "run", "--tp", "2")])
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            runpy.run_path(str(REPO / "train_mp.py"), run_name="__main__")
+    finally:
+        cleanup_distributed()
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: tp 2 x cp 1 = 2 does not divide the 1 ranks: choose tp and cp whose product divides the "
+        "number of processes (dp = ranks / (tp x cp))"]
+    assert not (tmp_path / "run").exists()
