@@ -67,7 +67,10 @@ def main() -> None:
         results = [(name, run(n, [*train_args, *options], tmp / f"run{i}"))
                    for i, (name, n, options) in enumerate(layouts(args.nproc))]
     base = results[0][1]
-    print(f"train_mp.py {' '.join(a for a in train_args if not a.startswith(str(tmp)))}")
+    shown = [a for a in train_args if not a.startswith(str(tmp))]
+    if "--data_dir" in shown and shown.index("--data_dir") == len(shown) - 1:
+        shown = shown[:-1] + ["(synthetic 32x64, generated)"]
+    print(f"train_mp.py {' '.join(shown)}; batch per rank: global batch / dp")
     print("MB per rank (largest rank; 1e6 bytes)   params    grads  optimizer  activations    total  "
           "vs 1 proc  samples/s  vs 1 proc")
     for name, r in results:

@@ -481,7 +481,7 @@ def parsed_arguments(launch: Launch):
     raise AssertionError(f"{launch.script} ran to its end without parsing arguments")
 
 
-CONFIG_SCRIPTS = ("train.py", "train_ddp.py", "train_fsdp.py", "train_with_profiling.py")
+CONFIG_SCRIPTS = ("train.py", "train_ddp.py", "train_fsdp.py", "train_mp.py", "train_with_profiling.py")
 
 
 def parse_project_arguments(launch: Launch):
@@ -523,9 +523,11 @@ def test_cluster_command_parses(command):
     except SystemExit as exit_:
         pytest.fail(f"{command.id}: {launch.script} rejects {launch.args} (exit {exit_.code})")
     if hasattr(cfg, "train"):
-        batch = cfg.train.batch_size
-        assert batch % launch.ranks == 0, (f"{command.id}: batch_size {batch} is not divisible by the "
-                                           f"{launch.ranks} ranks this command starts")
+        batch, split = cfg.train.batch_size, cfg.dist.tp * cfg.dist.cp  # the tp x cp ranks of a replica share a batch
+        assert launch.ranks % split == 0, (f"{command.id}: tp x cp = {split} does not divide the {launch.ranks} "
+                                           "ranks this command starts")
+        assert batch % (launch.ranks // split) == 0, (f"{command.id}: batch_size {batch} is not divisible by the "
+                                                      f"{launch.ranks // split} data-parallel ranks this command starts")
         assert launch.ranks % cfg.dist.hsdp_replicas == 0, (
             f"{command.id}: hsdp_replicas {cfg.dist.hsdp_replicas} does not divide {launch.ranks} ranks")
 
