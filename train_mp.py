@@ -50,7 +50,7 @@ def main():
     seed_everything(tcfg.seed)
     configure_backends(cfg)
     d = cfg.dist
-    mesh = build_mp_mesh(env.world_size, d.tp, d.cp, d.parallel_order, device)
+    mesh, dp_cp_mesh = build_mp_mesh(env.world_size, d.tp, d.cp, d.parallel_order, device)
     dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
 
     # ------------------------------------------------------------------------------------------- Data
@@ -66,7 +66,7 @@ def main():
     model = apply_cp(model, mesh["cp"])  # hooks: one band of tokens per cp rank
     model = apply_ac(model, tcfg.ac)
     model = apply_compile(model, tcfg.compile, tcfg.compile_backend)
-    model = apply_fsdp(model, cfg, device, mesh["dp_cp"])  # in place: raw_model is model, sharded over dp x cp
+    model = apply_fsdp(model, cfg, device, dp_cp_mesh)  # in place: raw_model is model, sharded over dp x cp
     input_shape = tuple(val_loader.dataset[0][0].shape)
     flops_per_sample = train_flops_per_sample(lambda: build_model(cfg.model), input_shape)
     peak_flops = env.world_size * device_peak_flops(device, tcfg.amp_dtype)  # MFU of all devices together

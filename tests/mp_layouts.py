@@ -19,14 +19,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from models.vit import ViT  # noqa: E402
 from utils.context_parallel import apply_cp  # noqa: E402
-from utils.distributed import mp_mesh_layout  # noqa: E402
+from utils.distributed import build_mp_mesh  # noqa: E402
 from utils.techniques import apply_ac  # noqa: E402
 from utils.tensor_parallel import apply_tp  # noqa: E402
 from utils.training import relative_l2  # noqa: E402
@@ -60,10 +59,8 @@ def reference(model, data):
 
 
 def parallel(model, data, tp, cp, order, fold_cp=True):
-    shape, names = mp_mesh_layout(dist.get_world_size(), tp, cp, order)
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    dp_names = tuple(n for n in names if n in ("dp", "cp"))
-    dp_mesh = mesh[dp_names]._flatten("dp_cp") if fold_cp else mesh["dp"]
+    mesh, dp_cp = build_mp_mesh(dist.get_world_size(), tp, cp, order, torch.device("cpu"))
+    dp_mesh = dp_cp if fold_cp else mesh["dp"]
     apply_tp(model, mesh["tp"])
     apply_cp(model, mesh["cp"])
     apply_ac(model, "block" if (tp, cp) == (2, 2) else "none")  # torchtitan's order: TP -> CP -> AC -> FSDP

@@ -49,8 +49,7 @@ def assert_complete_correct_table(text: str, max_bytes: int, world_size: int) ->
 
 
 def test_two_processes_print_a_complete_correct_table():
-    proc = run_script("comm_check.py", "--max-bytes", "4MiB", "--seconds-per-size", "0.1",
-                      launcher=TORCHRUN_2, timeout=120)
+    proc = run_script("comm_check.py", "--max-bytes", "4MiB", "--seconds-per-size", "0.1", ranks=2, timeout=120)
     assert "world_size=2 nodes=1" in proc.stdout
     assert_complete_correct_table(proc.stdout, 4 * 2**20, world_size=2)
     assert "average bus bandwidth" in proc.stdout

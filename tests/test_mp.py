@@ -6,7 +6,7 @@
   process (tests/mp_layouts.py, one 4-process launch). The same check run on cp ranks whose
   gradients are averaged over dp only (NERSC DL4SCI25's final-norm bug) must fail.
 - train_mp.py end to end: tp 2 reproduces train.py's losses, weights, Adam moments and validation
-  metrics; its DCP checkpoint resumes under cp 2 to the same weights.
+  metrics; its DCP checkpoint resumes under cp 2 (with activation checkpointing) to the same weights.
 - Bad input: one line each.
 """
 
@@ -52,13 +52,15 @@ def test_every_layout_gives_one_process_gradients_and_a_missing_cp_reduction_is_
 
 @pytest.fixture(scope="module")
 def mp_runs(vit_data, vit_reference, tmp_path_factory):
-    """tp 2 from scratch; cp 2 resumed from tp 2's step-3 checkpoint (DCP reshards across layouts)."""
+    """tp 2 from scratch; cp 2 with activation checkpointing, resumed from tp 2's step-3 checkpoint (DCP
+    reshards across layouts)."""
     root = tmp_path_factory.mktemp("mp_runs")
     runs = {"single": vit_reference, "tp2": root / "tp2"}
     proc = run_script("train_mp.py", *vit_args(vit_data, runs["tp2"], *VIT_STEPS, "--tp", "2"), ranks=2)
     assert "world_size=2 nodes=1 backend=gloo | mesh dp 1 x cp 1 x tp 2" in proc.stdout
     runs["cp2"] = resume_from(runs["tp2"], 3, root / "cp2")
-    proc = run_script("train_mp.py", *vit_args(vit_data, runs["cp2"], *VIT_STEPS, "--cp", "2", "--resume"), ranks=2)
+    proc = run_script("train_mp.py", *vit_args(vit_data, runs["cp2"], *VIT_STEPS, "--cp", "2", "--ac", "block",
+                                               "--resume"), ranks=2)
     assert "mesh dp 1 x cp 2 x tp 1" in proc.stdout and "resumed from" in proc.stdout
     return runs
 

@@ -169,15 +169,15 @@ def mp_mesh_layout(world_size: int, tp: int, cp: int, order: str = "tp-cp-dp") -
 
 
 def build_mp_mesh(world_size: int, tp: int, cp: int, order: str, device: torch.device):
-    """The ("dp", "cp", "tp") DeviceMesh of train_mp.py, plus "dp_cp" (both flattened: the ranks that hold the
-    same parameters and average their gradients, FSDP2's mesh). One process: a group of its own."""
+    """(mesh, dp_cp): the ("dp", "cp", "tp") DeviceMesh of train_mp.py, and its dp and cp dimensions
+    flattened into one (the ranks that hold the same parameters and average their gradients: FSDP2's
+    mesh). One process: a group of its own."""
     shape, names = mp_mesh_layout(world_size, tp, cp, order)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
                                 rank=0, world_size=1)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
-    mesh[tuple(name for name in names if name in ("dp", "cp"))]._flatten("dp_cp")
-    return mesh
+    return mesh, mesh[tuple(name for name in names if name in ("dp", "cp"))]._flatten("dp_cp")
 
 
 def cleanup_distributed() -> None:
