@@ -1,8 +1,8 @@
 """Step 6 — model parallelism: train_fsdp.py on a dp x cp x tp device mesh (tensor and context parallelism).
 
 When one sample's activations or the model itself outgrow a GPU even with AMP + AC + FSDP, split the
-model: --tp N splits every block over N ranks (whole heads, 1/N of the MLP, and with sequence
-parallelism 1/N of the tokens of the norms and residual stream); --cp N gives each of N ranks one
+model: --tp N splits every block over N ranks (whole heads, 1/N of the MLP, and for the ViT with
+sequence parallelism 1/N of the tokens of the norms and residual stream); --cp N gives each of N ranks one
 latitude band of tokens (ViT; attention gathers the other bands' keys and values). The tp x cp ranks
 of a model replica read the same batch; FSDP2 shards over the remaining dp ranks, with cp folded in,
 so every gradient is averaged over dp x cp. Every layout trains as one device does (tests/test_mp.py).
@@ -14,6 +14,7 @@ Launch (torchrun starts one process per GPU and sets RANK, LOCAL_RANK, WORLD_SIZ
     sbatch --nodes 4 submit_multinode.sh train_mp.py --config vit_mp --tp 4         # + 4-way data parallel
     torchrun --nproc-per-node 2 train_mp.py --config vit_quickstart --tp 2          # laptop: 2 CPU processes
     torchrun --nproc-per-node 2 train_mp.py --config vit_quickstart --cp 2          # laptop: context parallel
+    torchrun --nproc-per-node 2 train_mp.py --config quickstart --tp 2              # SwinIR, tensor parallel
 Any config key can be overridden on the command line; `python train_mp.py --help` lists them all.
 """
 

@@ -119,7 +119,8 @@ class WindowAttention(nn.Module):
         self.dim = dim
         self.window_size = window_size
         self.num_heads = num_heads
-        self.scale = qk_scale or (dim // num_heads) ** -0.5
+        self.head_dim = dim // num_heads
+        self.scale = qk_scale or self.head_dim ** -0.5
         wh, ww = window_size
         # One learned bias per head and relative offset (dy, dx) in [-(wh-1), wh-1] x [-(ww-1), ww-1].
         self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * wh - 1) * (2 * ww - 1), num_heads))
@@ -137,12 +138,14 @@ class WindowAttention(nn.Module):
         """(num_heads, N, N) bias added to the attention logits of every window."""
         n = self.relative_position_index.shape[0]
         bias = self.relative_position_bias_table[self.relative_position_index.view(-1)]
-        return bias.view(n, n, self.num_heads).permute(2, 0, 1)
+        return bias.view(n, n, -1).permute(2, 0, 1)
 
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x: (B * num_windows, N, C); mask: (num_windows, N, N) additive, or None."""
-        B_, N, C = x.shape
-        q, k, v = self.qkv(x).view(B_, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4).unbind(0)
+        B_, N, _ = x.shape
+        # Heads from the width of qkv's output, so a tensor-parallel plan that gives each rank whole heads needs
+        # no change here (as the ViT).
+        q, k, v = self.qkv(x).view(B_, N, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         # Cast at use: under FSDP2 mixed precision q is bf16 while buffers stay fp32.
         attn_bias = self.relative_position_bias().to(q.dtype).unsqueeze(0)  # (1, heads, N, N)
         if mask is not None:
@@ -151,7 +154,7 @@ class WindowAttention(nn.Module):
             x = self._explicit_attention(q, k, v, attn_bias)
         else:
             x = self._fused_attention(q, k, v, attn_bias)
-        x = x.transpose(1, 2).reshape(B_, N, C)
+        x = x.transpose(1, 2).reshape(B_, N, -1)
         return self.proj_drop(self.proj(x))
 
     def _explicit_attention(self, q, k, v, attn_bias):

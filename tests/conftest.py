@@ -50,7 +50,7 @@ def reference_run(tiny_data, tmp_path_factory) -> Path:
     """One train.py run with REFERENCE_STEPS, shared by every test that compares another script or a
     resumed run with plain single-device training (each launch costs seconds of start-up)."""
     run = tmp_path_factory.mktemp("reference") / "run"
-    run_script("train.py", *tiny_args(tiny_data, run, *REFERENCE_STEPS))
+    run_script("train.py", *tiny_args(tiny_data, run, *REFERENCE_STEPS), in_process=True)
     return run
 
 
@@ -83,7 +83,7 @@ def vit_args(data_dir, run_dir, *extra: str) -> list[str]:
 def vit_reference(vit_data, tmp_path_factory) -> Path:
     """The miniature ViT under train.py with VIT_STEPS: what every other layout must reproduce."""
     run = tmp_path_factory.mktemp("vit_reference") / "single"
-    run_script("train.py", *vit_args(vit_data, run, *VIT_STEPS))
+    run_script("train.py", *vit_args(vit_data, run, *VIT_STEPS), in_process=True)
     return run
 
 
@@ -114,18 +114,22 @@ def resume_from(source: Path, step: int, run_dir: Path) -> Path:
 
 
 def run_script(*args: str, timeout: float = 240, env_extra: dict | None = None, check: bool = True,
-               launcher: list[str] | None = None, ranks: int = 0) -> subprocess.CompletedProcess:
+               launcher: list[str] | None = None, ranks: int = 0, in_process: bool = False) -> subprocess.CompletedProcess:
     """Run a project script (e.g. "train.py", "--config", ...) in a fresh interpreter from the repo root.
 
     ``ranks=N`` starts N processes with the variables torchrun gives its workers (RANK, LOCAL_RANK,
     WORLD_SIZE, MASTER_ADDR, ...), without torchrun itself, whose own start-up (an interpreter that
     imports torch, then a rendezvous) costs about 4 s per launch on 2 cores; stdout and stderr are
     the ranks' in rank order. Tests of what torchrun itself does (stopping the other ranks when one
-    fails) use ``launcher`` with real torchrun.
+    fails) use ``launcher`` with real torchrun. ``in_process=True`` runs a one-process script in this
+    interpreter (as `python SCRIPT`, with 1 thread as OMP_NUM_THREADS=1 gives a subprocess), saving the
+    ~5 s of importing torch and timm again: for runs whose results are compared, not their exit as a command.
     """
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     cmd = (launcher or [sys.executable]) + list(args)
-    if ranks:
+    if in_process:
+        proc = _run_in_process(list(args))
+    elif ranks:
         proc = _run_ranks([sys.executable, *args], ranks, env, timeout)
     else:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -133,6 +137,30 @@ def run_script(*args: str, timeout: float = 240, env_extra: dict | None = None, 
         raise AssertionError(f"{' '.join(proc.args)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
                              f"--- stderr\n{proc.stderr[-4000:]}")
     return proc
+
+
+def _run_in_process(args: list[str]) -> subprocess.CompletedProcess:
+    import contextlib
+    import io
+    import runpy
+    from unittest import mock
+
+    import torch
+
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    threads, cwd = torch.get_num_threads(), os.getcwd()
+    torch.set_num_threads(1)
+    os.chdir(REPO)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+                mock.patch.object(sys, "argv", list(args)):
+            runpy.run_path(str(REPO / args[0]), run_name="__main__")
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    finally:
+        torch.set_num_threads(threads)
+        os.chdir(cwd)
+    return subprocess.CompletedProcess(["(in process)", *args], code, out.getvalue(), err.getvalue())
 
 
 def _free_port() -> int:

@@ -108,7 +108,7 @@ def test_overhead_benchmark_alternates_variants_and_flags_noise(monkeypatch, cap
 
 def test_ddp_checkpoint_resumes_on_one_device(runs, tiny_data, tmp_path):
     moved = resume_from(runs["ddp"], 3, tmp_path / "moved")
-    proc = run_script("train.py", *tiny_args(tiny_data, moved, *STEPS, "--max_steps", "6", "--resume"))
+    proc = run_script("train.py", *tiny_args(tiny_data, moved, *STEPS, "--max_steps", "6", "--resume"), in_process=True)
     assert "resumed from" in proc.stdout and "step_00000003.pt" in proc.stdout
     assert_same_weights(weights_at(runs["single"], 6), weights_at(moved, 6))
 

@@ -1,8 +1,8 @@
 """train_mp.py: tensor and context parallelism on a dp x cp x tp mesh equal one device.
 
-- Every layout (dp2 x tp2, dp2 x cp2 with an uneven 2 + 1 row split, tp2 x cp2 with activation
-  checkpointing, another rank order),
-  step by step: all gradients after each backward and all weights after 3 AdamW steps equal one
+- Every layout of the ViT (dp2 x tp2, dp2 x cp2 with an uneven 2 + 1 row split, tp2 x cp2 with activation
+  checkpointing, another rank order) and SwinIR's dp2 x tp2,
+  step by step: the loss and all gradients of each step and all weights after 3 AdamW steps equal one
   process (tests/mp_layouts.py, one 4-process launch). The same check run on cp ranks whose
   gradients are averaged over dp only (NERSC DL4SCI25's final-norm bug) must fail.
 - train_mp.py end to end: tp 2 reproduces train.py's losses, weights, Adam moments and validation
@@ -37,12 +37,14 @@ from utils.tensor_parallel import apply_tp
 def test_every_layout_gives_one_process_gradients_and_a_missing_cp_reduction_is_caught():
     proc = run_script("tests/mp_layouts.py", ranks=4)
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    layouts = [(r["tp"], r["cp"], r["order"]) for r in results if r["fold_cp"]]
-    assert layouts == [(2, 1, "tp-cp-dp"), (1, 2, "tp-cp-dp"), (2, 2, "tp-cp-dp"), (2, 1, "dp-cp-tp")]
+    layouts = [(r["model"], r["tp"], r["cp"], r["order"]) for r in results if r["fold_cp"]]
+    assert layouts == [("vit", 2, 1, "tp-cp-dp"), ("vit", 1, 2, "tp-cp-dp"), ("vit", 2, 2, "tp-cp-dp"),
+                       ("vit", 2, 1, "dp-cp-tp"), ("swinir", 2, 1, "tp-cp-dp")]
     for result in results:
-        assert result["parameters"] == 38  # every parameter of the 2-block ViT is compared
+        # every parameter of the 2-block ViT / the 1-RSTB SwinIR (relative-position bias tables included)
+        assert result["parameters"] == {"vit": 38, "swinir": 38}[result["model"]]
         if result["fold_cp"]:
-            assert result["grads_differ"] == [] and result["weights_differ"] == [], result
+            assert result["losses_equal"] and result["grads_differ"] == [] and result["weights_differ"] == [], result
     unreduced = next(r for r in results if not r["fold_cp"])
     assert {"norm.weight", "norm.bias", "pos_embed", "head.weight"} <= set(unreduced["grads_differ"])
 
@@ -120,9 +122,9 @@ class _Mesh:  # what apply_tp / apply_cp read of a 1-D mesh before they need a p
 
 
 def test_models_without_a_plan_are_refused():
+    with pytest.raises(ConfigError, match="no tensor-parallel plan for Linear"):
+        apply_tp(torch.nn.Linear(2, 2), _Mesh())
     swinir = build_model(build_config("quickstart").model)
-    with pytest.raises(ConfigError, match="no tensor-parallel plan for SwinIR"):
-        apply_tp(swinir, _Mesh())
     with pytest.raises(ConfigError, match="context parallelism splits the ViT's tokens"):
         apply_cp(swinir, _Mesh())
 

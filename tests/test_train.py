@@ -53,7 +53,7 @@ def test_killed_run_resumes_to_identical_weights(tiny_data, reference_run, tmp_p
     saved = sorted(p.name for p in (killed / "checkpoints").glob("step_*.pt"))
     assert saved[-1] < "step_00000008.pt", f"the kill came too late to test anything: {saved}"
 
-    proc = run_script("train.py", *tiny_args(tiny_data, killed, *common, "--resume"))
+    proc = run_script("train.py", *tiny_args(tiny_data, killed, *common, "--resume"), in_process=True)
     assert f"resumed from {killed / 'checkpoints' / saved[-1]}" in proc.stdout
     ref, res = weights_at(reference_run, 10), weights_at(killed, 10)
     assert ref.keys() == res.keys()

@@ -73,7 +73,7 @@ def test_resume_is_exact_and_crosses_layouts(vit_runs, vit_data, tmp_path):
     single = vit_runs["single"]
     # Same layout: bit-identical.
     run = resume_from(single, 3, tmp_path / "same")
-    run_script("train.py", *vit_args(vit_data, run, *VIT_STEPS, "--resume"))
+    run_script("train.py", *vit_args(vit_data, run, *VIT_STEPS, "--resume"), in_process=True)
     for key, value in weights_at(single, 7).items():
         torch.testing.assert_close(weights_at(run, 7)[key], value, rtol=0, atol=0, msg=key)
     # An FSDP checkpoint exported to a file continues on one device to the same weights (a DDP checkpoint
@@ -82,7 +82,7 @@ def test_resume_is_exact_and_crosses_layouts(vit_runs, vit_data, tmp_path):
     (run / "checkpoints").mkdir(parents=True)
     exported(vit_runs["fsdp"], 3)
     shutil.copyfile(vit_runs["fsdp"] / "exported" / "step_3.pt", run / "checkpoints" / "step_00000003.pt")
-    run_script("train.py", *vit_args(vit_data, run, *VIT_STEPS, "--resume"))
+    run_script("train.py", *vit_args(vit_data, run, *VIT_STEPS, "--resume"), in_process=True)
     assert_same_weights(weights_at(run, 7), weights_at(single, 7))
 
 

@@ -1,5 +1,7 @@
 """Tensor parallelism with DTensor's ``parallelize_module``: the per-model plans live here, not in models/.
 
+SwinIR's plan: see ``swinir_plan`` (window attention by heads, MLP by hidden units, the rest replicated).
+
 The ViT's plan over the "tp" mesh dimension (Megatron's split, plus sequence parallelism):
 
     residual stream, norm1, norm2, final norm   Shard(1): each tp rank holds 1/tp of the tokens
@@ -20,6 +22,8 @@ the optimizer see one kind of tensor.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -54,7 +58,51 @@ def vit_plan(model: nn.Module) -> dict:
     return plan
 
 
-PLANS = {"ViT": vit_plan}
+def swinir_plan(model: nn.Module) -> dict:
+    """SwinIR's plan for every Swin block: the window attention by heads, the MLP by its hidden units.
+
+    Without sequence parallelism: the cyclic shift and the window partition reorder the tokens in every
+    block, so a token-sharded residual stream would be all-gathered there anyway. The fused qkv linear
+    is ColwiseParallel (its checkpoint layout unchanged), which gives each rank a contiguous third of
+    q|k|v rather than whole heads; ``_heads_of_this_rank`` regroups its output by heads.
+    """
+    plan = {}
+    for name, module in model.named_modules():
+        if type(module).__name__ == "WindowAttention":
+            plan.update({f"{name}.qkv": ColwiseParallel(use_local_output=False), f"{name}.proj": RowwiseParallel()})
+        elif type(module).__name__ == "SwinTransformerBlock":
+            plan.update({f"{name}.mlp.fc1": ColwiseParallel(), f"{name}.mlp.fc2": RowwiseParallel()})
+    return plan
+
+
+def _heads_of_this_rank(attn: nn.Module, mesh) -> None:
+    """After qkv: (windows, N, 3 * D) sharded by columns -> this rank's heads of q, k and v, a local tensor.
+
+    The output is all-gathered and re-split by heads (one all-gather per block that Megatron's layout
+    avoids by permuting qkv's rows, which would change the checkpoint layout). In backward, the head
+    gradients are all-gathered back, so every rank gets the whole gradient of its column shard.
+    """
+    heads = attn.num_heads
+
+    def regroup(_module, _args, out):
+        full = out.redistribute(placements=[Replicate()])
+        B_, N, _ = full.shape
+        mine = full.view(B_, N, 3, heads, attn.head_dim).redistribute(placements=[Shard(3)]).to_local()
+        return mine.flatten(2)
+
+    attn.qkv.register_forward_hook(regroup)
+    # The relative-position bias: this rank's heads are its columns of the table, looked up by the
+    # model's own method on the local shard (PyTorch has no parallel style for a table read by index).
+    table = attn.relative_position_bias_table
+    attn.register_parameter("relative_position_bias_table",
+                            nn.Parameter(distribute_tensor(table.data, mesh, [Shard(1)])))
+    method = type(attn).relative_position_bias
+    attn.relative_position_bias = lambda: method(SimpleNamespace(
+        relative_position_bias_table=attn.relative_position_bias_table.to_local(),
+        relative_position_index=attn.relative_position_index))
+
+
+PLANS = {"ViT": vit_plan, "SwinIR": swinir_plan}
 
 
 def check_heads(num_heads: int, tp: int) -> None:
@@ -71,15 +119,20 @@ def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
     if plan is None:
         raise ConfigError(f"no tensor-parallel plan for {type(model).__name__}: use --tp 1 "
                           f"(plans: {', '.join(PLANS)})")
-    attn = model.transformer[0].attn
-    check_heads(attn.q.out_features // attn.head_dim, tp_mesh.size())
+    for attn in (m for m in model.modules() if hasattr(m, "head_dim")):
+        check_heads(getattr(attn, "num_heads", None) or attn.q.out_features // attn.head_dim, tp_mesh.size())
     parallelize_module(model, tp_mesh, plan(model))
-    replicate_rest(model, tp_mesh)
+    swinir = type(model).__name__ == "SwinIR"
+    for attn in (m for m in model.modules() if type(m).__name__ == "WindowAttention"):
+        _heads_of_this_rank(attn, tp_mesh)  # after the plan's own hooks on qkv
+    # The ViT adds its (replicated) position embedding to the patch embedding's output: DTensors there.
+    replicate_rest(model, tp_mesh, local_output=swinir)
     return model
 
 
-def replicate_rest(model: nn.Module, mesh) -> None:
-    """Parameters no style split become replicated DTensors; their modules take and give DTensors.
+def replicate_rest(model: nn.Module, mesh, local_output: bool = False) -> None:
+    """Parameters no style split become replicated DTensors; their modules take DTensors and give DTensors
+    (or, ``local_output``, plain tensors, as the unsplit model's code expects between its layers).
 
     (PyTorch has no public ParallelStyle for "replicate this module".) Buffers stay plain tensors.
     """
@@ -93,9 +146,13 @@ def replicate_rest(model: nn.Module, mesh) -> None:
         return tuple(DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
                      if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
 
+    def output_to_local(_module, output, _device_mesh):
+        return output.to_local() if isinstance(output, DTensor) else output
+
     for module in model.modules():
         plain = [p for p in module.parameters(recurse=False) if not isinstance(p, DTensor)]
         if plain and module is not model:
-            distribute_module(module, mesh, to_replicated, input_fn=input_to_dtensor)
+            distribute_module(module, mesh, to_replicated, input_fn=input_to_dtensor,
+                              output_fn=output_to_local if local_output else None)
         elif plain:  # the root's own parameters (the position embedding): no input conversion
             to_replicated("", module, mesh)
