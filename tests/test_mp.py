@@ -23,8 +23,7 @@ from models import build_model
 from tests.conftest import REPO, VIT_STEPS, read_metrics, resume_from, run_script, vit_args, weights_at
 from tests.test_ddp import assert_same_weights, train_losses
 from tests.test_fsdp import exported
-from tests.test_vit_training import FORECAST_METRICS, optimizer_moments, val_records
-from utils.checkpoint import load_checkpoint
+from tests.test_vit_training import assert_equals_single_device
 from utils.config import ConfigError, build_config
 from utils.context_parallel import apply_cp, band_rows
 from utils.distributed import cleanup_distributed, mp_mesh_layout
@@ -68,17 +67,8 @@ def mp_runs(vit_data, vit_reference, tmp_path_factory):
 
 
 def test_tensor_parallel_run_equals_one_device(mp_runs):
-    single, tp2 = mp_runs["single"], mp_runs["tp2"]
-    torch.testing.assert_close(train_losses(tp2), train_losses(single), rtol=1e-4, atol=1e-6)
-    for step in (3, 7):
-        payload = exported(tp2, step)
-        reference = load_checkpoint(single / "checkpoints" / f"step_{step:08d}.pt")
-        assert_same_weights(payload["model"], reference["model"])
-        for mine, theirs in zip(optimizer_moments(payload), optimizer_moments(reference), strict=True):
-            torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-7)
-    for mine, theirs in zip(val_records(tp2), val_records(single), strict=True):
-        for key in FORECAST_METRICS:
-            torch.testing.assert_close(mine[key], theirs[key], rtol=1e-4, atol=1e-6, msg=key)
+    tp2 = mp_runs["tp2"]
+    assert_equals_single_device(tp2, mp_runs["single"], lambda step: exported(tp2, step))
 
 
 def test_a_tp_checkpoint_resumes_under_cp(mp_runs):

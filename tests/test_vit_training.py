@@ -52,12 +52,10 @@ def test_single_device_run_records_forecast_metrics(vit_runs):
     assert (vit_runs["single"] / "samples" / "step_7.png").exists()
 
 
-@pytest.mark.parametrize("layout", ["ddp", "fsdp"])
-def test_two_ranks_equal_one_device(vit_runs, layout):
-    single, other = vit_runs["single"], vit_runs[layout]
+def assert_equals_single_device(other, single, load) -> None:
+    """``other`` run ended as ``single`` did: losses, weights and Adam moments at steps 3 and 7 (``load(step)``:
+    its checkpoint as a train.py payload), and every validation metric."""
     torch.testing.assert_close(train_losses(other), train_losses(single), rtol=1e-4, atol=1e-6)
-    load = (lambda step: exported(other, step)) if layout == "fsdp" else (
-        lambda step: load_checkpoint(other / "checkpoints" / f"step_{step:08d}.pt"))
     for step in (3, 7):
         payload = load(step)
         reference = load_checkpoint(single / "checkpoints" / f"step_{step:08d}.pt")
@@ -67,6 +65,14 @@ def test_two_ranks_equal_one_device(vit_runs, layout):
     for mine, theirs in zip(val_records(other), val_records(single), strict=True):
         for key in FORECAST_METRICS:
             torch.testing.assert_close(mine[key], theirs[key], rtol=1e-4, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("layout", ["ddp", "fsdp"])
+def test_two_ranks_equal_one_device(vit_runs, layout):
+    other = vit_runs[layout]
+    load = (lambda step: exported(other, step)) if layout == "fsdp" else (
+        lambda step: load_checkpoint(other / "checkpoints" / f"step_{step:08d}.pt"))
+    assert_equals_single_device(other, vit_runs["single"], load)
 
 
 def test_resume_is_exact_and_crosses_layouts(vit_runs, vit_data, tmp_path):
