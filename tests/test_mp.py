@@ -119,6 +119,14 @@ def test_models_without_a_plan_are_refused():
         apply_cp(swinir, _Mesh())
 
 
+def test_hsdp_is_train_fsdp_only():
+    from utils.fsdp import apply_fsdp
+
+    cfg = build_config("vit_quickstart", {"hsdp_replicas": 2})
+    with pytest.raises(ConfigError, match="hsdp_replicas 2 is train_fsdp.py's"):
+        apply_fsdp(torch.nn.Linear(2, 2), cfg, torch.device("cpu"), mesh=_Mesh())
+
+
 def test_bad_layout_on_the_command_line_is_one_line(vit_data, tmp_path, monkeypatch, capsys):
     # In this process (no torchrun: 1 rank), as tests/test_script_invariants.py runs the scripts.
     monkeypatch.setattr(sys, "argv", ["train_mp.py", *vit_args(vit_data, tmp_path / "run", "--tp", "2")])

@@ -110,6 +110,9 @@ def apply_fsdp(model: nn.Module, cfg, device: torch.device, mesh: Optional[Devic
     ViT's position embedding is a parameter (gathered in param_dtype).
     """
     d = cfg.dist
+    if mesh is not None and d.hsdp_replicas > 1:
+        raise ConfigError(f"hsdp_replicas {d.hsdp_replicas} is train_fsdp.py's: train_mp.py shards over all its "
+                          "dp x cp ranks; use --hsdp_replicas 1")
     mesh = build_mesh(d.hsdp_replicas, device) if mesh is None else mesh
     for unit in ac_units(model, d.fsdp_unit):
         fully_shard(unit, mesh=mesh, mp_policy=mixed_precision(d), reshard_after_forward=d.reshard_after_forward)
@@ -180,7 +183,7 @@ def _shards(model: nn.Module) -> int:
     """Ranks that split the largest parameter: the product of the mesh sizes along which it is sharded."""
     largest = max(model.parameters(), key=lambda p: p.numel())
     placements = getattr(largest, "placements", ())
-    return math.prod(largest.device_mesh.size(i) for i, p in enumerate(placements) if p.is_shard()) or 1
+    return math.prod(largest.device_mesh.size(i) for i, p in enumerate(placements) if p.is_shard())
 
 
 # ----------------------------------------------------------------------------- sharded checkpoints
