@@ -139,7 +139,7 @@ def test_train_full_size_config_on_cpu_with_fp16_and_checkpointing(tiny_data, tm
     run = tmp_path / "full"
     run_script("train.py", "--config", "full_size", "--data_dir", str(tiny_data), "--valid_split", "valid",
                "--run_dir", str(run), "--num_workers", "0", "--val_samples", "1", "--max_steps", "2",
-               "--log_every", "1", "--progress", "never", "--amp_dtype", "fp16", "--ac", "block", *TINY_MODEL)
+               "--log_every", "1", "--progress", "never", "--amp_dtype", "fp16", "--ac", "block", *TINY_MODEL, in_process=True)
     payload = final_checkpoint(run)
     assert payload["config"]["crop_size"] == 0 and payload["config"]["ac"] == "block"
     assert payload["scaler"]["scale"] > 0  # fp16 trains through the GradScaler (bf16's is disabled: {})

@@ -21,7 +21,7 @@ def test_profiled_run_writes_trace_timeline_summary_and_breakdown(tiny_data, tmp
     run = tmp_path / "run"
     proc = run_script("train_with_profiling.py", *tiny_args(
         tiny_data, run, "--max_steps", "6", *PROFILE_STEPS, "--breakdown_steps", "2",  # profiling on by default
-        "--memory_snapshot", "true"))
+        "--memory_snapshot", "true"), in_process=True)
     out = proc.stdout
 
     trace_path = run / "profile" / "rank0_trace.json.gz"
@@ -60,7 +60,7 @@ def test_profiled_run_writes_trace_timeline_summary_and_breakdown(tiny_data, tmp
 
 def test_profiling_off_is_train_py(tiny_data, reference_run, tmp_path):
     plain, off = reference_run, tmp_path / "off"
-    proc = run_script("train_with_profiling.py", *tiny_args(tiny_data, off, *REFERENCE_STEPS, "--profile", "false"))
+    proc = run_script("train_with_profiling.py", *tiny_args(tiny_data, off, *REFERENCE_STEPS, "--profile", "false"), in_process=True)
 
     def comparable(records):  # everything but the clock
         return [{k: v for k, v in r.items() if k not in ("time", "samples_per_sec", "mfu", "peak_mem_gb")}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, tiny_args
+from tests.conftest import REPO, VIT_STEPS, read_metrics, tiny_args, vit_args
 from tests import slurm_cluster as cluster_module
 from tests.slurm_cluster import skip_or_fail, slurm_cluster  # noqa: F401  (slurm_cluster is a fixture)
 from tests.test_comm_check import assert_complete_correct_table
@@ -68,6 +68,20 @@ def test_ddp_training_on_two_nodes(slurm_cluster, tiny_data, tmp_path):
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     assert train and train[-1]["step"] == 4 and train[-1]["loss"] > 0, records
+
+
+def test_model_parallel_job_on_two_nodes_trains_as_one_device(slurm_cluster, vit_data, vit_reference, tmp_path):
+    # 2 nodes x 2 ranks, --tp 2: each tensor-parallel pair inside a node (consecutive ranks), data parallel
+    # across the nodes; the first 4 losses are those of train.py on one process.
+    run = tmp_path / "run"
+    job = slurm_cluster.sbatch("submit_multinode.sh", "train_mp.py", *vit_args(vit_data, run, *VIT_STEPS, "--tp", "2",
+                                                                                "--max_steps", "4"),
+                               options=CPU_NODES, env=job_env(), timeout=300)
+    assert job.returncode == 0, job.report
+    assert "world_size=4 nodes=2 backend=gloo | mesh dp 2 x cp 1 x tp 2" in job.output, job.report
+    losses = [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+    reference = [r["loss"] for r in read_metrics(vit_reference) if r["kind"] == "train"][:4]
+    assert losses == pytest.approx(reference, rel=1e-4)
 
 
 def test_singlegpu_passes_arguments_through(slurm_cluster, tmp_path):
