@@ -87,7 +87,7 @@ def test_hsdp_2x2_with_ac_and_compile_resumes_a_2_rank_checkpoint(runs, tiny_dat
     # 4 ranks as 2 replicas x 2 shards, from the 2-rank FSDP checkpoint (DCP reshards), in the order
     # apply_ac -> apply_compile -> apply_fsdp on the same blocks: still train.py's trajectory. The
     # aot_eager backend traces the same graphs (dynamo and AOT autograd around FSDP2's hooks) without
-    # generating kernels, which would double this test's time; test_ddp.py runs inductor.
+    # generating kernels, which would double this test's time.
     hsdp = resume_from(runs["fsdp"], 3, tmp_path / "hsdp")
     run_script("train_fsdp.py", *tiny_args(tiny_data, hsdp, "--max_steps", "6", "--log_every", "1",
                                            "--hsdp_replicas", "2", "--ac", "block", "--resume",

@@ -53,10 +53,9 @@ class _GatherTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int, sizes: list[int], group) -> torch.Tensor:
         ctx.dim, ctx.sizes, ctx.group = dim, sizes, group
-        longest = max(sizes)
-        parts = [torch.empty_like(_pad_to(x, dim, longest)) for _ in sizes]
-        # Padded to one length: gloo's and nccl's all_gather both want equal sizes.
-        dist.all_gather(parts, _pad_to(x, dim, longest), group=group)
+        padded = _pad_to(x, dim, max(sizes))  # one length: gloo's and nccl's all_gather both want equal sizes
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded, group=group)
         return torch.cat([part.narrow(dim, 0, size) for part, size in zip(parts, sizes)], dim)
 
     @staticmethod
