@@ -37,8 +37,7 @@ from utils.training import relative_l2  # noqa: E402
 STEPS = 3
 BATCH = 4
 LAYOUTS = [  # (model, tp, cp, order): dp = 4 / (tp * cp); tp 2 x cp 2 also with activation checkpointing per block
-    ("vit", 2, 1, "tp-cp-dp"), ("vit", 1, 2, "tp-cp-dp"), ("vit", 2, 2, "tp-cp-dp"), ("vit", 2, 1, "dp-cp-tp"),
-    ("swinir", 2, 1, "tp-cp-dp")]
+    ("vit", 2, 1, "tp-cp-dp"), ("vit", 1, 2, "dp-cp-tp"), ("vit", 2, 2, "tp-cp-dp"), ("swinir", 2, 1, "tp-cp-dp")]
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,12 @@
 """train_mp.py: tensor and context parallelism on a dp x cp x tp mesh equal one device.
 
-- Every layout of the ViT (dp2 x tp2, dp2 x cp2 with an uneven 2 + 1 row split, tp2 x cp2 with activation
-  checkpointing, another rank order) and SwinIR's dp2 x tp2,
+- Every layout of the ViT (dp2 x tp2, dp2 x cp2 with an uneven 2 + 1 row split and the other rank order,
+  tp2 x cp2 with activation checkpointing) and SwinIR's dp2 x tp2,
   step by step: the loss and all gradients of each step and all weights after 3 AdamW steps equal one
   process (tests/mp_layouts.py, one 4-process launch). The same check run on cp ranks whose
   gradients are averaged over dp only (NERSC DL4SCI25's final-norm bug) must fail.
-- train_mp.py end to end: tp 2 reproduces train.py's losses, weights, Adam moments and validation
+- train_mp.py end to end: SwinIR's tp 2 reproduces train.py's losses and weights; the ViT's tp 2 reproduces
+  train.py's losses, weights, Adam moments and validation
   metrics; its DCP checkpoint resumes under cp 2 (with activation checkpointing) to the same weights.
 - Bad input: one line each.
 """
@@ -20,7 +21,8 @@ import pytest
 import torch
 
 from models import build_model
-from tests.conftest import REPO, VIT_STEPS, read_metrics, resume_from, run_script, vit_args, weights_at
+from tests.conftest import (REFERENCE_STEPS, REPO, VIT_STEPS, read_metrics, resume_from, run_script, tiny_args,
+                            vit_args, weights_at)
 from tests.test_ddp import assert_same_weights, train_losses
 from tests.test_fsdp import exported
 from tests.test_vit_training import assert_equals_single_device
@@ -37,8 +39,8 @@ def test_every_layout_gives_one_process_gradients_and_a_missing_cp_reduction_is_
     proc = run_script("tests/mp_layouts.py", ranks=4)
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     layouts = [(r["model"], r["tp"], r["cp"], r["order"]) for r in results if r["fold_cp"]]
-    assert layouts == [("vit", 2, 1, "tp-cp-dp"), ("vit", 1, 2, "tp-cp-dp"), ("vit", 2, 2, "tp-cp-dp"),
-                       ("vit", 2, 1, "dp-cp-tp"), ("swinir", 2, 1, "tp-cp-dp")]
+    assert layouts == [("vit", 2, 1, "tp-cp-dp"), ("vit", 1, 2, "dp-cp-tp"), ("vit", 2, 2, "tp-cp-dp"),
+                       ("swinir", 2, 1, "tp-cp-dp")]
     for result in results:
         # every parameter of the 2-block ViT / the 1-RSTB SwinIR (relative-position bias tables included)
         assert result["parameters"] == {"vit": 38, "swinir": 38}[result["model"]]
@@ -77,6 +79,17 @@ def test_a_tp_checkpoint_resumes_under_cp(mp_runs):
     single, cp2 = mp_runs["single"], mp_runs["cp2"]
     torch.testing.assert_close(train_losses(cp2), train_losses(single)[3:], rtol=1e-4, atol=1e-6)
     assert_same_weights(exported(cp2, 7)["model"], weights_at(single, 7))
+
+
+def test_swinir_tensor_parallel_run_equals_one_device(tiny_data, reference_run, tmp_path):
+    # Part I's SwinIR under train_mp.py --tp 2: the losses of train.py's reference run, and its weights
+    # (relative-position-bias tables included) at step 3, from the same global batch and seed.
+    run = tmp_path / "swinir_tp2"
+    proc = run_script("train_mp.py", *tiny_args(tiny_data, run, *REFERENCE_STEPS, "--max_steps", "3", "--tp", "2"),
+                      ranks=2)
+    assert "mesh dp 1 x cp 1 x tp 2" in proc.stdout
+    torch.testing.assert_close(train_losses(run), train_losses(reference_run)[:3], rtol=1e-4, atol=1e-5)
+    assert_same_weights(exported(run, 3)["model"], weights_at(reference_run, 3))
 
 
 def test_memory_report_per_rank(mp_runs):
