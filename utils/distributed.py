@@ -149,9 +149,6 @@ def init_distributed(timeout_s: float = 300.0) -> tuple[DistEnv, torch.device]:
     return env, device
 
 
-MP_DIMS = ("dp", "cp", "tp")
-
-
 def mp_mesh_layout(world_size: int, tp: int, cp: int, order: str = "tp-cp-dp") -> tuple[tuple[int, ...], tuple[str, ...]]:
     """(shape, names) of the model-parallel mesh, slowest-varying dimension first.
 

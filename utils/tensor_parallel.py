@@ -63,8 +63,8 @@ def swinir_plan(model: nn.Module) -> dict:
 
     Without sequence parallelism: the cyclic shift and the window partition reorder the tokens in every
     block, so a token-sharded residual stream would be all-gathered there anyway. The fused qkv linear
-    is ColwiseParallel (its checkpoint layout unchanged), which gives each rank a contiguous third of
-    q|k|v rather than whole heads; ``_heads_of_this_rank`` regroups its output by heads.
+    is ColwiseParallel (its checkpoint layout unchanged), which gives each rank a contiguous 1/tp of the
+    rows q|k|v rather than whole heads; ``_heads_of_this_rank`` regroups its output by heads.
     """
     plan = {}
     for name, module in model.named_modules():
