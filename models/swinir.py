@@ -493,50 +493,64 @@ class SwinIR(PhysicalUnitsModel):
         mode = "reflect" if pad_h < h and pad_w < w else "replicate"
         return F.pad(x, (0, pad_w, 0, pad_h), mode=mode)
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        x_size = (x.shape[2], x.shape[3])
-        x = self.patch_embed(x)
+    def _embed(self, shallow: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(shallow)
         if self.ape:
             if x.shape[1] != self.absolute_pos_embed.shape[1]:
-                raise ValueError(f"ape=True needs inputs padded to img_size {self.patches_resolution}, got {list(x_size)}")
+                raise ValueError(f"ape=True needs inputs padded to img_size {self.patches_resolution}, "
+                                 f"got {list(shallow.shape[2:])}")
             x = x + self.absolute_pos_embed
-        x = self.pos_drop(x)
-        for layer in self.layers:
-            x = layer(x, x_size)
-        return tokens_to_image(self.norm(x), x_size)
+        return self.pos_drop(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 4 or x.shape[1] != self.in_chans:
-            raise ValueError(f"SwinIR expects (batch, {self.in_chans}, height, width) input, got {tuple(x.shape)}")
-        H, W = x.shape[-2:]
+    def _normalise(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 (bf16 would round 278.39 K to 278.0 K), then cast to the weights' dtype.
-        out_dtype = torch.promote_types(x.dtype, torch.float32)
-        x = (x.to(out_dtype) - self.data_mean) / self.data_std * self.img_range
+        x = (x.to(torch.promote_types(x.dtype, torch.float32)) - self.data_mean) / self.data_std * self.img_range
         x = self.pad_to_window(x).to(self.conv_first.weight.dtype)
         # Channels-last makes token <-> image conversions views instead of copies.
-        x = x.contiguous(memory_format=torch.channels_last)
+        return x.contiguous(memory_format=torch.channels_last)
 
+    def stem(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Physical input -> (tokens, shallow features, input): what the first RSTB takes, the long skip
+        (the RSTBs pass it on untouched) and the input, whose size the tail crops back to.
+
+        ``forward`` = stem, ``run_block`` for each RSTB, tail.
+        """
+        if x.dim() != 4 or x.shape[1] != self.in_chans:
+            raise ValueError(f"SwinIR expects (batch, {self.in_chans}, height, width) input, got {tuple(x.shape)}")
+        shallow = self.conv_first(self._normalise(x))
+        return self._embed(shallow), shallow, x
+
+    @staticmethod
+    def run_block(layer: nn.Module, carry: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        tokens, shallow, x = carry
+        return layer(tokens, shallow.shape[-2:]), shallow, x
+
+    def tail(self, tokens: torch.Tensor, shallow: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Tokens after the last RSTB -> the upsampled field in physical units."""
+        out_dtype = torch.promote_types(x.dtype, torch.float32)
+        deep = tokens_to_image(self.norm(tokens), shallow.shape[-2:])
+        body = self.conv_after_body(deep) + shallow  # the long skip
         if self.upsampler == "pixelshuffle":
-            x = self.conv_first(x)
-            x = self.conv_after_body(self.forward_features(x)) + x
-            x = self.conv_last(self.upsample(self.conv_before_upsample(x)))
+            out = self.conv_last(self.upsample(self.conv_before_upsample(body)))
         elif self.upsampler == "pixelshuffledirect":
-            x = self.conv_first(x)
-            x = self.upsample(self.conv_after_body(self.forward_features(x)) + x)
+            out = self.upsample(body)
         elif self.upsampler == "nearest+conv":
-            x = self.conv_first(x)
-            x = self.conv_before_upsample(self.conv_after_body(self.forward_features(x)) + x)
-            x = self.lrelu(self.conv_up1(F.interpolate(x, scale_factor=2, mode="nearest")))
+            out = self.conv_before_upsample(body)
+            out = self.lrelu(self.conv_up1(F.interpolate(out, scale_factor=2, mode="nearest")))
             if self.upscale == 4:
-                x = self.lrelu(self.conv_up2(F.interpolate(x, scale_factor=2, mode="nearest")))
-            x = self.conv_last(self.lrelu(self.conv_hr(x)))
+                out = self.lrelu(self.conv_up2(F.interpolate(out, scale_factor=2, mode="nearest")))
+            out = self.conv_last(self.lrelu(self.conv_hr(out)))
         else:
-            x_first = self.conv_first(x)
-            x = x + self.conv_last(self.conv_after_body(self.forward_features(x_first)) + x_first)
-
+            out = self._normalise(x) + self.conv_last(body)
         scale = 1 if self.upsampler == "" else self.upscale
-        x = x[:, :, :H * scale, :W * scale].to(out_dtype)
-        return (x / self.img_range * self.data_std + self.data_mean).contiguous()
+        out = out[:, :, :x.shape[-2] * scale, :x.shape[-1] * scale].to(out_dtype)
+        return (out / self.img_range * self.data_std + self.data_mean).contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        carry = self.stem(x)
+        for layer in self.layers:
+            carry = self.run_block(layer, carry)
+        return self.tail(*carry)
 
 
 def _strip_wrapper_prefixes(module, state_dict, prefix, *args) -> None:

@@ -123,15 +123,27 @@ class ViT(PhysicalUnitsModel):
         x = x.reshape(B, h, w, p, p, self.in_chans)
         return torch.einsum("bhwpqc->bchpwq", x).reshape(B, self.in_chans, h * p, w * p)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def stem(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        """Physical input (B, C, H, W) -> (tokens,): what the first block takes (``forward`` = stem, blocks, tail)."""
         if x.dim() != 4 or x.shape[1] != self.in_chans or tuple(x.shape[2:]) != self.img_size:
             raise ValueError(f"this ViT takes (batch, {self.in_chans}, {self.img_size[0]}, {self.img_size[1]}) "
                              f"(its position embedding is sized for img_size), got {tuple(x.shape)}")
         # Normalise in fp32 (bf16 would round 278.39 K to 278.0 K), then cast to the weights' dtype.
-        out_dtype = torch.promote_types(x.dtype, torch.float32)
-        x = ((x.to(out_dtype) - self.data_mean) / self.data_std).to(self.patch_embed.weight.dtype)
-        x = self.patch_embed(x).flatten(2).transpose(1, 2) + self.pos_embed  # (B, tokens, D)
-        for block in self.transformer:
-            x = block(x)
-        x = self.unpatchify(self.head(self.norm(x))).to(out_dtype)
+        x = ((x.to(torch.promote_types(x.dtype, torch.float32)) - self.data_mean) / self.data_std)
+        x = self.patch_embed(x.to(self.patch_embed.weight.dtype)).flatten(2).transpose(1, 2)
+        return (x + self.pos_embed,)  # (B, tokens, D)
+
+    @staticmethod
+    def run_block(block: nn.Module, carry: tuple[torch.Tensor]) -> tuple[torch.Tensor]:
+        return (block(carry[0]),)
+
+    def tail(self, x: torch.Tensor) -> torch.Tensor:
+        """Tokens after the last block -> the forecast in physical units (fp32)."""
+        x = self.unpatchify(self.head(self.norm(x))).to(torch.promote_types(x.dtype, torch.float32))
         return x * self.data_std + self.data_mean
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        carry = self.stem(x)
+        for block in self.transformer:
+            carry = self.run_block(block, carry)
+        return self.tail(*carry)

@@ -199,6 +199,16 @@ class DistConfig:
     parallel_order: str = "tp-cp-dp"
     """train_mp.py: mesh dimensions from the fastest-varying rank to the slowest (NERSC's --parallel_order):
     tp-cp-dp puts a tensor-parallel group on consecutive ranks, i.e. inside a node."""
+    pp: int = 1
+    """train_pp.py: pipeline stages per model replica, one rank each (two each for interleaved_1f1b and zbv)."""
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv"] = "1f1b"
+    """train_pp.py: order of the microbatches' forwards and backwards (zbv: zero-bubble, V-shaped stages)."""
+    pp_microbatches: int = 4
+    """train_pp.py: microbatches per step; must divide the per-replica batch (best >= 2 x stages)."""
+    pp_split: list[int] = field(default_factory=list)
+    """train_pp.py: units (SwinIR RSTBs, ViT blocks) per stage, e.g. [3, 3]; empty = balanced by parameters."""
+    pp_dp: Literal["fsdp", "ddp"] = "fsdp"
+    """train_pp.py: how pipelines are data-parallel: FSDP2 (kept gathered during the step) or DDP."""
     dist_timeout_s: float = 300.0
     """Collective timeout in seconds: a job whose peer died fails instead of hanging."""
 
@@ -412,6 +422,9 @@ def validate(cfg: Config) -> None:
                               "use a patch size that divides both sides")
     if cfg.dist.tp < 1 or cfg.dist.cp < 1:
         raise ConfigError(f"tp and cp must be >= 1, got tp {cfg.dist.tp}, cp {cfg.dist.cp}")
+    if cfg.dist.pp < 1 or cfg.dist.pp_microbatches < 1 or any(n < 1 for n in cfg.dist.pp_split):
+        raise ConfigError(f"pp and pp_microbatches must be >= 1 and pp_split entries >= 1, got pp {cfg.dist.pp}, "
+                          f"pp_microbatches {cfg.dist.pp_microbatches}, pp_split {cfg.dist.pp_split}")
     if sorted(cfg.dist.parallel_order.split("-")) != ["cp", "dp", "tp"]:
         raise ConfigError(f"parallel_order must name tp, cp and dp once each, joined by '-' (e.g. tp-cp-dp), "
                           f"got {cfg.dist.parallel_order!r}")

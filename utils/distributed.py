@@ -165,16 +165,33 @@ def mp_mesh_layout(world_size: int, tp: int, cp: int, order: str = "tp-cp-dp") -
     return tuple(sizes[name] for name in names), names
 
 
+def ensure_process_group(device: torch.device) -> None:
+    """A single process (python train_fsdp.py) still needs a group for DeviceMesh and DCP: an in-memory one."""
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
+                                rank=0, world_size=1)
+
+
 def build_mp_mesh(world_size: int, tp: int, cp: int, order: str, device: torch.device):
     """(mesh, dp_cp): the ("dp", "cp", "tp") DeviceMesh of train_mp.py, and its dp and cp dimensions
     flattened into one (the ranks that hold the same parameters and average their gradients: FSDP2's
     mesh). One process: a group of its own."""
     shape, names = mp_mesh_layout(world_size, tp, cp, order)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
-                                rank=0, world_size=1)
+    ensure_process_group(device)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     return mesh, mesh[tuple(name for name in names if name in ("dp", "cp"))]._flatten("dp_cp")
+
+
+def build_pp_mesh(world_size: int, pp: int, device: torch.device):
+    """The ("dp", "dp_shard", "pp") DeviceMesh of train_pp.py: consecutive ranks (one node's GPUs) form a
+    pipeline, so only stage-boundary activations cross nodes in a pipeline, and dp (gradients) spans
+    nodes. "dp_shard" has size 1: ``mesh["dp", "dp_shard"]`` is a 2-D (replicate, shard) mesh on which
+    FSDP2 replicates parameters and all-reduces gradients, as DDP does."""
+    if world_size % pp:
+        raise ConfigError(f"pp {pp} does not divide the {world_size} ranks: choose a pp that divides the number "
+                          "of processes (dp = ranks / pp)")
+    ensure_process_group(device)
+    return init_device_mesh(device.type, (world_size // pp, 1, pp), mesh_dim_names=("dp", "dp_shard", "pp"))
 
 
 def cleanup_distributed() -> None:

@@ -41,7 +41,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from utils.checkpoint import (DCP_METADATA, SHARDED_CHECKPOINT_NAME, CheckpointError, StorageError, capture_rng_state,
                               ensure_writable_dir, fsync_dir, replaced_atomically, restore_rng_state, write_failure)
 from utils.config import ConfigError
-from utils.distributed import barrier
+from utils.distributed import barrier, ensure_process_group
 from utils.techniques import ac_units
 from utils.training import TrainState
 
@@ -62,14 +62,6 @@ def mesh_shape(world_size: int, hsdp_replicas: int) -> tuple[int, ...]:
     return (world_size,) if hsdp_replicas == 1 else (hsdp_replicas, world_size // hsdp_replicas)
 
 
-def _ensure_process_group(device: torch.device) -> None:
-    # A single process (python train_fsdp.py) still needs a group for DeviceMesh and DCP: an
-    # in-memory one of one rank.
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
-                                rank=0, world_size=1)
-
-
 def build_mesh(hsdp_replicas: int, device: torch.device) -> DeviceMesh:
     """1-D mesh ("shard") over all ranks, or for HSDP a 2-D mesh ("replicate", "shard").
 
@@ -77,7 +69,7 @@ def build_mesh(hsdp_replicas: int, device: torch.device) -> DeviceMesh:
     ``hsdp_replicas`` = number of nodes each shard group is one node (fast links) and gradients
     cross the network only in the all-reduce between replicas.
     """
-    _ensure_process_group(device)
+    ensure_process_group(device)
     shape = mesh_shape(dist.get_world_size(), hsdp_replicas)
     return init_device_mesh(device.type, shape, mesh_dim_names=HSDP_DIMS[-len(shape):])
 
@@ -93,11 +85,14 @@ def mixed_precision(dist_cfg, cast_forward_inputs: bool = True) -> MixedPrecisio
                                 reduce_dtype=DTYPES[dist_cfg.reduce_dtype], cast_forward_inputs=cast_forward_inputs)
 
 
-def apply_fsdp(model: nn.Module, cfg, device: torch.device, mesh: Optional[DeviceMesh] = None) -> nn.Module:
+def apply_fsdp(model: nn.Module, cfg, device: torch.device, mesh: Optional[DeviceMesh] = None,
+               reshard_after_forward: Optional[bool] = None) -> nn.Module:
     """``fully_shard`` each unit (``fsdp_unit``: block or SwinIR RSTB), then the root; returns the model.
 
     ``mesh``: the data-parallel mesh to shard over (train_mp.py: dp x cp, whose tensor-parallel
     DTensors then become 2-D); by default all ranks (FSDP) or replicas x shards (HSDP).
+    ``reshard_after_forward`` overrides the config's (train_pp.py: False, since a pipeline runs
+    several microbatches' forwards before their backwards).
 
     Units are sharded first so that each unit's parameters are gathered just before it runs and
     freed after; the root then owns what is left (convolutions, norms, upsampler). The model must
@@ -114,8 +109,9 @@ def apply_fsdp(model: nn.Module, cfg, device: torch.device, mesh: Optional[Devic
         raise ConfigError(f"hsdp_replicas {d.hsdp_replicas} is train_fsdp.py's: train_mp.py shards over all its "
                           "dp x cp ranks; use --hsdp_replicas 1")
     mesh = build_mesh(d.hsdp_replicas, device) if mesh is None else mesh
+    reshard = d.reshard_after_forward if reshard_after_forward is None else reshard_after_forward
     for unit in ac_units(model, d.fsdp_unit):
-        fully_shard(unit, mesh=mesh, mp_policy=mixed_precision(d), reshard_after_forward=d.reshard_after_forward)
+        fully_shard(unit, mesh=mesh, mp_policy=mixed_precision(d), reshard_after_forward=reshard)
     # Root: reshard_after_forward left to FSDP (False for the root: backward needs its weights first).
     fully_shard(model, mesh=mesh, mp_policy=mixed_precision(d, cast_forward_inputs=False))
     return model
@@ -143,7 +139,7 @@ def optimizer_state_bytes(model: nn.Module, optimizer: Optional[torch.optim.Opti
 
 
 def memory_record(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, step: int = 0,
-                  activations_bytes: Optional[int] = None) -> dict:
+                  activations_bytes: Optional[int] = None, model_bytes: Optional[int] = None) -> dict:
     """Metrics record (kind "memory") of parameters + gradients + optimizer state per rank vs DDP.
 
     Collective: every rank must call it. ``shards``: ranks that split the largest parameter (world
@@ -152,7 +148,8 @@ def memory_record(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] =
     (shards differ by at most a row). ddp_total_mb is what each DDP rank holds: full fp32 copies of
     all three. ``activations_bytes`` (this rank's tensors saved for backward in one step, see
     utils.memory.saved_activations) adds activations_mb, the largest rank's. All-gathered
-    parameters and communication buffers come on top.
+    parameters and communication buffers come on top. ``model_bytes``: the whole model's parameter
+    bytes where ``model`` holds only part of it (train_pp.py's stages).
     """
     params = _bytes(model.parameters())
     columns = [params, params, optimizer_state_bytes(model, optimizer), activations_bytes or 0]
@@ -166,7 +163,9 @@ def memory_record(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] =
         gathered[0] = local
     per_rank = torch.stack(gathered).cpu() / 1e6  # (ranks, [params, grads, optimizer, activations])
     states = per_rank[:, :3]
-    full_params = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
+    if model_bytes is None:
+        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    full_params = model_bytes / 1e6
     ddp_total = 4 * full_params  # parameters + gradients + AdamW's two moments
     largest = states[states.sum(1).argmax()]
     record = {"kind": "memory", "step": step, "ranks": world, "shards": _shards(model),

@@ -84,6 +84,7 @@ Measure — the same quantities on any device, without trusting the estimate:
 from __future__ import annotations
 
 import contextlib
+import functools
 import dataclasses
 import math
 import time
@@ -852,7 +853,9 @@ class SavedTensorBytes:
     ``hold=False`` keeps nothing (the pack hook drops the tensor): the forward pass then runs in
     little memory but cannot be followed by backward — for measuring forward-saved bytes only.
     Storages are tracked through weak references, so a freed storage whose address is reused
-    later is still counted as new, and counting never keeps a tensor alive.
+    later is still counted as new, and counting never keeps a tensor alive. ``peak_bytes`` is the
+    most that was alive at once (a pipeline frees one microbatch's activations after its backward,
+    so its peak depends on the schedule, not only on the total saved).
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = (), hold: bool = True):
@@ -860,7 +863,7 @@ class SavedTensorBytes:
         self._excluded = {id(t.untyped_storage()): weakref.ref(t.untyped_storage()) for t in exclude}
         self._seen: dict[int, weakref.ref] = {}
         self.hold = hold
-        self.bytes = 0
+        self.bytes = self.live_bytes = self.peak_bytes = 0
         self.bytes_by_dtype: dict[str, int] = {}
         self.count = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -875,12 +878,17 @@ class SavedTensorBytes:
         storage = tensor.untyped_storage()
         key = id(storage)
         if not (self._is(self._seen, key, storage) or self._is(self._excluded, key, storage)):
-            self._seen[key] = weakref.ref(storage)
+            self._seen[key] = weakref.ref(storage, functools.partial(self._freed, storage.nbytes()))
             self.bytes += storage.nbytes()
+            self.live_bytes += storage.nbytes()
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
             dtype = str(tensor.dtype).removeprefix("torch.")
             self.bytes_by_dtype[dtype] = self.bytes_by_dtype.get(dtype, 0) + storage.nbytes()
             self.count += 1
         return saved if self.hold else None
+
+    def _freed(self, nbytes: int, _ref) -> None:
+        self.live_bytes -= nbytes
 
     @staticmethod
     def _is(refs: dict, key: int, storage) -> bool:

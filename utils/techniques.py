@@ -92,7 +92,7 @@ def apply_ddp(model: nn.Module, cfg, device: torch.device) -> nn.Module:
     )
 
 
-def apply_fsdp(model: nn.Module, cfg, device: torch.device, mesh=None) -> nn.Module:
+def apply_fsdp(model: nn.Module, cfg, device: torch.device, mesh=None, reshard_after_forward=None) -> nn.Module:
     """FSDP2: fully_shard each block (or SwinIR RSTB) and the root, FSDP or HSDP (utils.fsdp.apply_fsdp);
     over ``mesh`` if given (train_mp.py: the dp x cp ranks).
 
@@ -100,4 +100,4 @@ def apply_fsdp(model: nn.Module, cfg, device: torch.device, mesh=None) -> nn.Mod
     """
     from utils.fsdp import apply_fsdp as shard  # utils.fsdp imports this module
 
-    return shard(model, cfg, device, mesh)
+    return shard(model, cfg, device, mesh, reshard_after_forward)

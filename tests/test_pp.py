@@ -1,0 +1,184 @@
+"""train_pp.py: pipeline parallelism (GPipe, 1F1B, interleaved 1F1B, ZB-V) equals one device.
+
+- Every schedule, for SwinIR (4 RSTBs, the long skip passed along) and the ViT (4 blocks), on 2 ranks:
+  the loss and all gradients of each step and all weights after 2 AdamW steps equal one process, and the
+  stages together hold every parameter once (tests/pp_layouts.py, one 2-process launch). dp 2 x pp 2
+  with FSDP2 (+ activation checkpointing) and with replicated ("ddp") pipelines: the same (one
+  4-process launch).
+- train_pp.py end to end: the ViT's 1F1B pipeline reproduces train.py's losses, weights, Adam moments and
+  validation metrics (the schedule's eval path), and its checkpoint resumes as dp 2 x pp 1 to the same
+  weights; SwinIR's ZB-V pipeline (4 stages on 2 ranks) reproduces train.py's losses and weights.
+  Both report a measured bubble per rank and the memory of each rank.
+- Bad input: one line each.
+"""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+
+import pytest
+import torch
+
+from models import build_model
+from tests.conftest import (REPO, VIT_STEPS, read_metrics, resume_from, run_script, tiny_args, vit_args,
+                            weights_at)
+from tests.test_ddp import assert_same_weights, train_losses
+from tests.test_fsdp import exported
+from tests.test_vit_training import assert_equals_single_device
+from utils.config import ConfigError, build_config
+from utils.distributed import cleanup_distributed
+from utils.pipeline_parallel import Pipeline, balanced_split, bubble_theory, cut_stage, plan_for, stage_ids
+
+SWINIR_4 = ("--depths", "[1,1,1,1]", "--num_heads", "[2,2,2,2]")
+
+
+def layout_results(launch: str, ranks: int) -> list[dict]:
+    proc = run_script("tests/pp_layouts.py", launch, ranks=ranks)
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def assert_all_equal(results: list[dict], expected: int) -> None:
+    assert len(results) == expected
+    for result in results:
+        assert result["parameters"] == 70 and result["cut_exact"], result
+        assert result["losses_equal"] and not result["grads_differ"] and not result["weights_differ"], result
+
+
+def test_every_schedule_on_two_ranks_equals_one_process():
+    results = layout_results("schedules", 2)
+    assert_all_equal(results, 8)
+    splits = {(r["model"], r["schedule"]): r["split"] for r in results}
+    assert splits[("swinir", "1f1b")] == [2, 2] and splits[("vit", "zbv")] == [1, 1, 1, 1]
+
+
+def test_two_pipelines_of_two_stages_equal_one_process():
+    assert_all_equal(layout_results("dp", 4), 3)
+
+
+# ------------------------------------------------------------------ train_pp.py end to end
+
+
+@pytest.fixture(scope="module")
+def pp_runs(vit_data, vit_reference, tmp_path_factory):
+    """The ViT as 2 stages (1F1B, 2 microbatches); resumed from its step-3 checkpoint as dp 2 x pp 1."""
+    root = tmp_path_factory.mktemp("pp_runs")
+    runs = {"single": vit_reference, "pp2": root / "pp2"}
+    proc = run_script("train_pp.py", *vit_args(vit_data, runs["pp2"], *VIT_STEPS, "--pp", "2",
+                                               "--pp_microbatches", "2"), ranks=2)
+    assert "mesh dp 1 x pp 2 | 2 stages of [1, 1] units, 1f1b, 2 microbatches" in proc.stdout
+    assert "warning: 2 microbatches for 2 stages: the bubble is 33% in theory; use >= 4 microbatches" in proc.stdout
+    runs["dp2"] = resume_from(runs["pp2"], 3, root / "dp2")
+    proc = run_script("train_pp.py", *vit_args(vit_data, runs["dp2"], *VIT_STEPS, "--pp", "1", "--pp_microbatches", "2",
+                                               "--resume"), ranks=2)
+    assert "mesh dp 2 x pp 1" in proc.stdout and "resumed from" in proc.stdout
+    return runs
+
+
+def test_vit_pipeline_equals_one_device(pp_runs):
+    pp2 = pp_runs["pp2"]
+    assert_equals_single_device(pp2, pp_runs["single"], lambda step: exported(pp2, step))
+
+
+def test_a_pipeline_checkpoint_resumes_in_another_layout(pp_runs):
+    single, dp2 = pp_runs["single"], pp_runs["dp2"]
+    torch.testing.assert_close(train_losses(dp2), train_losses(single)[3:], rtol=1e-4, atol=1e-6)
+    assert_same_weights(exported(dp2, 7)["model"], weights_at(single, 7))
+
+
+def test_bubble_and_memory_per_rank(pp_runs):
+    records = read_metrics(pp_runs["pp2"])
+    bubble = next(r for r in records if r["kind"] == "pipeline")
+    assert bubble["schedule"] == "1f1b" and bubble["bubble_theory"] == pytest.approx(1 / 3, abs=1e-3)
+    assert len(bubble["bubble_per_rank"]) == 2 and all(0 < b < 1 for b in bubble["bubble_per_rank"])
+    memory = next(r for r in records if r["kind"] == "memory")
+    # Each rank holds its stage's parameters: about half of the model (the stem and tail are not equal).
+    assert memory["ranks"] == 2 and memory["activations_mb"] > 0
+    assert 0.3 < memory["vs_ddp"] < 0.7
+
+
+def test_swinir_zero_bubble_pipeline_equals_one_device(tiny_data, tmp_path):
+    # 4 RSTBs as 4 stages, V-shaped on 2 ranks (rank 0: the first and the last), 4 microbatches of 1.
+    steps = ("--max_steps", "3", "--log_every", "1", "--ckpt_every", "3", "--val_every", "3", *SWINIR_4)
+    single, pipelined = tmp_path / "single", tmp_path / "zbv"
+    run_script("train.py", *tiny_args(tiny_data, single, *steps), in_process=True)
+    proc = run_script("train_pp.py", *tiny_args(tiny_data, pipelined, *steps, "--pp", "2", "--pp_schedule", "zbv"),
+                      ranks=2)
+    assert "4 stages of [1, 1, 1, 1] units, zbv, 4 microbatches; this rank: stages [0, 3]" in proc.stdout
+    torch.testing.assert_close(train_losses(pipelined), train_losses(single), rtol=1e-4, atol=1e-5)
+    assert_same_weights(exported(pipelined, 3)["model"], weights_at(single, 3))
+    val = [r for r in read_metrics(pipelined) if r["kind"] == "val"]
+    reference = [r for r in read_metrics(single) if r["kind"] == "val"]
+    torch.testing.assert_close(val[0]["rmse"], reference[0]["rmse"], rtol=1e-4, atol=1e-6)
+
+
+# ------------------------------------------------------------------ the cut, and bad input
+
+
+def test_balanced_split_and_placement():
+    assert balanced_split([1, 1, 1, 1], 2) == [2, 2]
+    assert balanced_split([1, 1, 1, 1], 2, first_extra=3) == [1, 3]  # a heavy stem: fewer units first
+    assert balanced_split([5, 1, 1, 1, 1, 1], 2) == [1, 5]
+    assert stage_ids("1f1b", 4, 1) == [1] and stage_ids("interleaved_1f1b", 2, 1) == [1, 3]
+    assert stage_ids("zbv", 2, 0) == [0, 3] and stage_ids("zbv", 2, 1) == [1, 2]
+    assert bubble_theory("gpipe", 4, 8) == pytest.approx(3 / 11)
+    assert bubble_theory("interleaved_1f1b", 4, 8) == pytest.approx(3 / 19)
+
+
+def test_a_stage_holds_only_its_parts_under_the_model_names():
+    model = build_model(build_config("quickstart", {"depths": [1, 1, 1], "num_heads": [2, 2, 2]}).model)
+    plan = plan_for(model)
+    first, last = (cut_stage(model, plan, i, 2, units) for i, units in ((0, range(0, 2)), (1, range(2, 3))))
+    names = [set(dict(stage.named_parameters())) for stage in (first, last)]
+    assert not names[0] & names[1] and names[0] | names[1] == set(dict(model.named_parameters()))
+    assert "conv_first.weight" in names[0] and "layers.2.conv.weight" in names[1] and "conv_after_body.weight" in names[1]
+    x = torch.randn(2, 3, 12, 20)
+    torch.testing.assert_close(last(*first(x)), model(x))
+    with pytest.raises(ConfigError, match="no pipeline plan for Linear"):
+        plan_for(torch.nn.Linear(2, 2))
+
+
+class _Mesh:  # what Pipeline reads of the pp mesh before it needs a process group
+    def size(self):
+        return 2
+
+    def get_local_rank(self):
+        return 0
+
+    def get_group(self):
+        return None
+
+
+@pytest.mark.parametrize("overrides, batch, message", [
+    ({"pp_microbatches": 3}, 4, "pp_microbatches 3 does not divide the 4 samples each pipeline takes per step "
+                                "(batch_size / dp): choose a divisor, or another batch_size"),
+    ({"pp_schedule": "zbv"}, 4, "4 pipeline stages (pp 2 x 2 for zbv) but the ViT has only 2 units to cut "
+                                "(transformer): use a smaller pp, or a deeper model (SwinIR: more RSTBs in --depths)"),
+    ({"pp_split": [2]}, 4, "pp_split [2] must give units for each of the 2 stages, 2 in all"),
+    ({"amp_dtype": "fp16"}, 4, "train_pp.py: fp16 needs a loss scale inside the pipeline schedule; use --amp_dtype "
+                               "bf16 (no scaling needed) or none"),
+])
+def test_bad_layouts_are_refused(overrides, batch, message):
+    cfg = build_config("vit_quickstart", {"pp": 2, **overrides})
+    model = build_model(build_config("vit_quickstart", {"mean": [0.0] * 20, "std": [1.0] * 20}).model)
+    with pytest.raises(ConfigError) as error:
+        Pipeline(model, cfg, _Mesh(), torch.device("cpu"), torch.nn.functional.l1_loss, batch)
+    assert str(error.value) == message
+
+
+def test_unknown_schedule_and_indivisible_ranks_are_one_line(vit_data, tmp_path, monkeypatch, capsys):
+    # In this process (no torchrun: 1 rank), as tests/test_script_invariants.py runs the scripts.
+    for extra, message in ((("--pp_schedule", "dualpipe"), "pp_schedule"),
+                           (("--pp", "2"), "error: pp 2 does not divide the 1 ranks: choose a pp that divides "
+                                           "the number of processes (dp = ranks / pp)")):
+        monkeypatch.setattr(sys, "argv", ["train_pp.py", *vit_args(vit_data, tmp_path / "run", *extra)])
+        try:
+            with pytest.raises(SystemExit) as exit_info:
+                runpy.run_path(str(REPO / "train_pp.py"), run_name="__main__")
+        finally:
+            cleanup_distributed()
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+        assert not (tmp_path / "run").exists()
