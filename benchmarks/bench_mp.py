@@ -34,14 +34,19 @@ def layouts(nproc: int) -> list[tuple[str, int, list[str]]]:
     return rows
 
 
-def run(nproc: int, args: list[str], run_dir: Path) -> dict:
+def run_records(script: str, nproc: int, args: list[str], run_dir: Path) -> list[dict]:
+    """The metrics records of one torchrun launch of ``script`` (no validation, no checkpoints)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "train_mp.py", *args, "--run_dir", str(run_dir), "--progress", "never", "--val_every", "0",
+           script, *args, "--run_dir", str(run_dir), "--progress", "never", "--val_every", "0",
            "--ckpt_every", "0"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"error: {' '.join(cmd[3:])} exited {proc.returncode}:\n{proc.stderr[-2000:]}")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def run(nproc: int, args: list[str], run_dir: Path) -> dict:
+    records = run_records("train_mp.py", nproc, args, run_dir)
     rates = [r["samples_per_sec"] for r in records if r["kind"] == "train"][1:]
     if not rates:
         sys.exit("error: too few log records; raise --max_steps or lower --log_every")

@@ -82,6 +82,9 @@ CPU_RUN = {
     # docs/beyond-data-parallel.md
     "torchrun --standalone --nproc-per-node 2 train_mp.py --config vit_quickstart --tp 2 --run_dir runs/vit_tp2":
         "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 4 --batch_size 4",
+    "torchrun --standalone --nproc-per-node 2 train_pp.py --config quickstart --pp 2 --pp_schedule zbv "
+    "--depths '[1,1,1,1]' --num_heads '[2,2,2,2]' --batch_size 4 --run_dir runs/quickstart_pp2":
+        "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 2",
 }
 CPU_RUN = {shlex.join(shlex.split(key)): value for key, value in CPU_RUN.items()}  # as the pages' commands
 TRAINS = re.compile(r"\btrain\w*\.py\b|\btorchrun\b|bench_ddp_overhead")
@@ -481,7 +484,7 @@ def parsed_arguments(launch: Launch):
     raise AssertionError(f"{launch.script} ran to its end without parsing arguments")
 
 
-CONFIG_SCRIPTS = ("train.py", "train_ddp.py", "train_fsdp.py", "train_mp.py", "train_with_profiling.py")
+CONFIG_SCRIPTS = ("train.py", "train_ddp.py", "train_fsdp.py", "train_mp.py", "train_pp.py", "train_with_profiling.py")
 
 
 def parse_project_arguments(launch: Launch):
@@ -523,11 +526,14 @@ def test_cluster_command_parses(command):
     except SystemExit as exit_:
         pytest.fail(f"{command.id}: {launch.script} rejects {launch.args} (exit {exit_.code})")
     if hasattr(cfg, "train"):
-        batch, split = cfg.train.batch_size, cfg.dist.tp * cfg.dist.cp  # the tp x cp ranks of a replica share a batch
-        assert launch.ranks % split == 0, (f"{command.id}: tp x cp = {split} does not divide the {launch.ranks} "
-                                           "ranks this command starts")
+        # The tp x cp x pp ranks of a model replica share its batch.
+        batch, split = cfg.train.batch_size, cfg.dist.tp * cfg.dist.cp * cfg.dist.pp
+        assert launch.ranks % split == 0, (f"{command.id}: tp x cp x pp = {split} does not divide the "
+                                           f"{launch.ranks} ranks this command starts")
         assert batch % (launch.ranks // split) == 0, (f"{command.id}: batch_size {batch} is not divisible by the "
                                                       f"{launch.ranks // split} data-parallel ranks this command starts")
+        assert cfg.dist.pp == 1 or (batch // (launch.ranks // split)) % cfg.dist.pp_microbatches == 0, (
+            f"{command.id}: pp_microbatches {cfg.dist.pp_microbatches} does not divide each pipeline's batch")
         assert launch.ranks % cfg.dist.hsdp_replicas == 0, (
             f"{command.id}: hsdp_replicas {cfg.dist.hsdp_replicas} does not divide {launch.ranks} ranks")
 

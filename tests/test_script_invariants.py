@@ -15,6 +15,7 @@ import torch
 from tests.conftest import REPO, tiny_args
 from utils import training
 from utils.data import ResumableDistributedSampler
+from utils.pipeline_parallel import Pipeline
 
 SCRIPTS = [p.name for p in sorted(REPO.glob("train*.py"))]
 
@@ -34,6 +35,7 @@ def test_step_order_and_epochs(script, tiny_data, tmp_path, monkeypatch, capsys)
 
     spy(torch.optim.Optimizer, "zero_grad", "zero_grad")
     spy(torch.Tensor, "backward", "backward")
+    spy(Pipeline, "step", "backward")  # train_pp.py: the schedule runs every microbatch's backward
     spy(torch.optim.AdamW, "step", "step")
     spy(ResumableDistributedSampler, "set_epoch", lambda self, epoch, *a, **k: f"epoch{epoch}")
     real_seed_step = training.seed_step
@@ -51,7 +53,7 @@ def test_step_order_and_epochs(script, tiny_data, tmp_path, monkeypatch, capsys)
     assert exit_info.value.code in (0, None)
     # Without torchrun a distributed script trains on one process: it must say so, not pass silently.
     said = "note: started without torchrun or srun, so this is 1 process on cpu" in capsys.readouterr().out
-    assert said == (script in ("train_ddp.py", "train_fsdp.py", "train_mp.py"))
+    assert said == (script in ("train_ddp.py", "train_fsdp.py", "train_mp.py", "train_pp.py"))
 
     epochs = [c for c in calls if c.startswith("epoch")]
     assert epochs[:2] == ["epoch0", "epoch1"], f"set_epoch calls: {epochs}"
@@ -71,10 +73,11 @@ def test_distributed_scripts_seed_each_step_with_the_global_rank(script):
     assert "local_rank" not in re.search(r"seed_step\([^)]*\)", source).group(0)
 
 
-def test_model_parallel_ranks_of_one_replica_seed_alike():
-    """Under train_mp.py the tp x cp ranks of one replica hold parts of the same samples: they must draw
-    the same drop-path masks, so the step is seeded with the data-parallel rank, not the global one."""
-    source = (REPO / "train_mp.py").read_text()
+@pytest.mark.parametrize("script", ["train_mp.py", "train_pp.py"])
+def test_model_parallel_ranks_of_one_replica_seed_alike(script):
+    """Under train_mp.py (train_pp.py) the tp x cp ranks (the stages) of one replica hold parts of the same
+    samples: they must draw alike, so the step is seeded with the data-parallel rank, not the global one."""
+    source = (REPO / script).read_text()
     assert re.search(r"seed_step\(tcfg\.seed, state\.step, dp_rank\)", source)
     assert re.search(r"dp_rank, dp_size = mesh\[\"dp\"\]\.get_local_rank\(\), mesh\[\"dp\"\]\.size\(\)", source)
 

@@ -84,6 +84,21 @@ def test_model_parallel_job_on_two_nodes_trains_as_one_device(slurm_cluster, vit
     assert losses == pytest.approx(reference, rel=1e-4)
 
 
+def test_pipeline_job_on_two_nodes_trains_as_one_device(slurm_cluster, vit_data, vit_reference, tmp_path):
+    # 2 nodes x 2 ranks, --pp 2: a 2-stage pipeline inside each node, FSDP2 across the nodes (dp 2); the
+    # first 4 losses are those of train.py on one process.
+    run = tmp_path / "run"
+    job = slurm_cluster.sbatch("submit_multinode.sh", "train_pp.py", *vit_args(vit_data, run, *VIT_STEPS, "--pp", "2",
+                                                                                "--pp_microbatches", "2",
+                                                                                "--max_steps", "4"),
+                               options=CPU_NODES, env=job_env(), timeout=300)
+    assert job.returncode == 0, job.report
+    assert "world_size=4 nodes=2 backend=gloo | mesh dp 2 x pp 2" in job.output, job.report
+    losses = [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+    reference = [r["loss"] for r in read_metrics(vit_reference) if r["kind"] == "train"][:4]
+    assert losses == pytest.approx(reference, rel=1e-4)
+
+
 def test_singlegpu_passes_arguments_through(slurm_cluster, tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("import json, sys\nprint('ARGS=' + json.dumps(sys.argv[1:]))\nprint('PYTHON=' + sys.prefix)\n")
