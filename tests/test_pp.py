@@ -156,6 +156,9 @@ class _Mesh:  # what Pipeline reads of the pp mesh before it needs a process gro
     ({"pp_schedule": "zbv"}, 4, "4 pipeline stages (pp 2 x 2 for zbv) but the ViT has only 2 units to cut "
                                 "(transformer): use a smaller pp, or a deeper model (SwinIR: more RSTBs in --depths)"),
     ({"pp_split": [2]}, 4, "pp_split [2] must give units for each of the 2 stages, 2 in all"),
+    ({"pp_schedule": "zbv", "depths": [4], "compile": True}, 4,
+     "zbv splits each backward into an input and a weight half (retain_graph), which torch.compile's backward "
+     "does not allow in torch 2.15: use --compile false with zbv, or another schedule"),
     ({"amp_dtype": "fp16"}, 4, "train_pp.py: fp16 needs a loss scale inside the pipeline schedule; use --amp_dtype "
                                "bf16 (no scaling needed) or none"),
 ])

@@ -207,6 +207,10 @@ class Pipeline:
             raise ConfigError(f"pp_microbatches {d.pp_microbatches} does not divide the {replica_batch} samples each "
                               f"pipeline takes per step (batch_size / dp): choose a divisor, or another batch_size")
         plan = plan_for(model)
+        if d.pp_schedule == "zbv" and cfg.train.compile:
+            raise ConfigError("zbv splits each backward into an input and a weight half (retain_graph), which "
+                              "torch.compile's backward does not allow in torch 2.15: use --compile false with "
+                              "zbv, or another schedule")
         if cfg.train.amp_dtype == "fp16":
             raise ConfigError("train_pp.py: fp16 needs a loss scale inside the pipeline schedule; use --amp_dtype bf16 "
                               "(no scaling needed) or none")
