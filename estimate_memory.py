@@ -15,12 +15,15 @@ run: it takes a second.
     python estimate_memory.py --config vit_mp --device cuda --amp_dtype none   # the ViT, 350M parameters, batch 64
     python estimate_memory.py --config vit_mp --device cuda --ac block
     python estimate_memory.py --config vit_mp --device cuda --strategy fsdp --world_size 4
+    python estimate_memory.py --config full_size --cp 4 --world_size 4 --strategy fsdp   # 4 bands per field
     python estimate_memory.py --config full_size --json                 # one JSON object
 
 Any config key can be overridden as in the training scripts (`--help` lists them). batch_size is
 the global batch: with --world_size N each rank holds batch_size / N samples. The ViT's input is
 always its whole img_size field (no crops, no --field); its activation checkpointing unit and
 FSDP unit are the transformer block (``ac: layer`` is SwinIR's RSTB, an error for the ViT).
+For SwinIR, --cp N (train_mp.py's domain parallelism) estimates the rank holding the largest band of
+each field: the cp ranks of a field share its samples, FSDP2 shards over all --world_size ranks.
 See utils/memory.py for the model of each term, and which terms are exact or approximate;
 benchmarks/validate_memory_estimate.py compares the estimate with measurements.
 """
@@ -67,6 +70,8 @@ GPU_SIZES_GB = (40, 80)  # A100 40/80 GB, H100 80 GB: what the total is compared
 def format_table(estimate: MemoryEstimate) -> str:
     s = estimate.setting
     ranks = f"{s['world_size']} rank{'s' if s['world_size'] > 1 else ''}, strategy {s['strategy']}"
+    if "cp" in s:
+        ranks += f", each field in {s['cp']} bands (cp)"
     model = s.get("model", "SwinIR")
     lines = [f"{model} training memory estimate — config {s['config']}: {s['num_params']:,} parameters, {ranks}"]
     if model == "ViT":
@@ -78,7 +83,8 @@ def format_table(estimate: MemoryEstimate) -> str:
             f"loss {s['loss']} ({s['loss_space']})")
     else:
         lines.append(
-            f"  input {s['lr_input'][0]}x{s['lr_input'][1]} low-res (padded {s['padded_input'][0]}x{s['padded_input'][1]}), "
+            f"  input {s['lr_input'][0]}x{s['lr_input'][1]} low-res{' (the largest band)' if 'cp' in s else ''} "
+            f"(padded {s['padded_input'][0]}x{s['padded_input'][1]}), "
             f"batch {s['batch_per_rank']} per rank = {s['tokens_per_rank']:,} tokens; device {s['device_type']} "
             f"({s['attention']} window attention); {s['precision']}; activation checkpointing {s['ac']}")
     if "field" in s:

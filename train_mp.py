@@ -3,9 +3,11 @@
 When one sample's activations or the model itself outgrow a GPU even with AMP + AC + FSDP, split the
 model: --tp N splits every block over N ranks (whole heads, 1/N of the MLP, and for the ViT with
 sequence parallelism 1/N of the tokens of the norms and residual stream); --cp N gives each of N ranks one
-latitude band of tokens (ViT; attention gathers the other bands' keys and values). The tp x cp ranks
-of a model replica read the same batch; FSDP2 shards over the remaining dp ranks, with cp folded in,
-so every gradient is averaged over dp x cp. Every layout trains as one device does (tests/test_mp.py).
+latitude band: of the ViT's tokens (attention gathers the other bands' keys and values), of SwinIR's
+field itself (domain parallelism: each rank reads and computes its rows, with halos from its neighbours).
+The tp x cp ranks of a model replica read the same batch; FSDP2 shards over the remaining dp ranks, with
+cp folded in, so every gradient is averaged over dp x cp. Every layout trains as one device does
+(tests/test_mp.py, tests/test_domain_parallel.py).
 Checkpoints are DCP folders, as train_fsdp.py's: they resume under any layout, and
 `python -m utils.fsdp export` makes a train.py file.
 
@@ -15,6 +17,8 @@ Launch (torchrun starts one process per GPU and sets RANK, LOCAL_RANK, WORLD_SIZ
     torchrun --nproc-per-node 2 train_mp.py --config vit_quickstart --tp 2          # laptop: 2 CPU processes
     torchrun --nproc-per-node 2 train_mp.py --config vit_quickstart --cp 2          # laptop: context parallel
     torchrun --nproc-per-node 2 train_mp.py --config quickstart --tp 2              # SwinIR, tensor parallel
+    torchrun --nproc-per-node 2 train_mp.py --config quickstart --cp 2              # SwinIR, 2 bands of each field
+    torchrun --nproc-per-node 4 train_mp.py --config full_size --cp 4               # one 720x1440 field over 4 GPUs
 Any config key can be overridden on the command line; `python train_mp.py --help` lists them all.
 """
 
@@ -28,6 +32,7 @@ from utils.checkpoint import CheckpointError, prepare_run_dir
 from utils.config import parse_config
 from utils.data import build_loaders
 from utils.context_parallel import apply_cp
+from utils.domain_parallel import band_loss, field_bands
 from utils.distributed import all_reduce_max, all_reduce_mean, build_mp_mesh, cleanup_distributed, init_distributed
 from utils.metrics import (MetricsLogger, device_peak_flops, mfu, peak_memory_gb, reset_peak_memory,
                            train_flops_per_sample)
@@ -55,9 +60,11 @@ def main():
     dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
 
     # ------------------------------------------------------------------------------------------- Data
-    # Sharded over dp only: the tp x cp ranks of one model replica read the same samples.
-    train_loader, val_loader = build_loaders(cfg, dp_rank, dp_size)  # also fills in the config from the data
-    task = build_task(cfg, device)
+    # Sharded over dp only: the tp x cp ranks of one model replica read the same samples (SwinIR: each cp
+    # rank only its band of them).
+    bands = field_bands(cfg, mesh["cp"])
+    train_loader, val_loader = build_loaders(cfg, dp_rank, dp_size, bands)  # also fills in the config from the data
+    task = build_task(cfg, device, bands)
     steps_per_epoch = len(train_loader)
     max_steps = total_steps(cfg, steps_per_epoch)
 
@@ -70,12 +77,14 @@ def main():
     model = apply_fsdp(model, cfg, device, dp_cp_mesh)  # in place: raw_model is model, sharded over dp x cp
     input_shape = tuple(val_loader.dataset[0][0].shape)
     flops_per_sample = train_flops_per_sample(lambda: build_model(cfg.model), input_shape)
+    if bands:  # the sample's FLOPs are its bands'
+        flops_per_sample = bands.sum(flops_per_sample, device)
     peak_flops = env.world_size * device_peak_flops(device, tcfg.amp_dtype)  # MFU of all devices together
 
     # -------------------------------------------------------------------------------------- Optimizer
     optimizer, scheduler = build_optimizer(model, cfg, steps_per_epoch, device)  # on the local shards
     scaler = make_grad_scaler(device, tcfg.amp_dtype)
-    loss_fn = build_loss(cfg)
+    loss_fn = band_loss(build_loss(cfg), bands)  # SwinIR under cp: this band's share of the field's loss
     state = TrainState()
     ckpt_dir = f"{tcfg.run_dir}/checkpoints"
     if tcfg.resume:

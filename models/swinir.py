@@ -240,14 +240,25 @@ class SwinTransformerBlock(nn.Module):
         x = self.norm1(x).view(B, H, W, C)
         mask = None
         if shift:
-            x = torch.roll(x, shifts=(-shift, -shift), dims=(1, 2))
-            mask = shift_mask(H, W, ws, shift, x.device, activation_dtype(x))
+            x = self.roll(x, -shift)
+            mask = self.attention_mask(H, W, x)
         x = self.attn(window_partition(x, ws), mask=mask)
         x = window_reverse(x, ws, H, W)
         if shift:
-            x = torch.roll(x, shifts=(shift, shift), dims=(1, 2))
+            x = self.roll(x, shift)
         x = shortcut + self.drop_path(x.view(B, L, C))
         return x + self.drop_path(self.mlp(self.norm2(x)))
+
+    # The only two places where a block looks beyond its own rows of the field (the cyclic shift wraps the
+    # bottom rows round to the top): methods, so that domain parallelism can give them the whole field's
+    # meaning for a band of it (utils/domain_parallel.py).
+    def roll(self, x: torch.Tensor, shift: int) -> torch.Tensor:
+        """(B, H, W, C) cyclically shifted by ``shift`` rows and columns."""
+        return torch.roll(x, shifts=(shift, shift), dims=(1, 2))
+
+    def attention_mask(self, H: int, W: int, x: torch.Tensor) -> torch.Tensor:
+        """The shifted windows' mask of an H x W field, in the dtype of the attention logits (cached)."""
+        return shift_mask(H, W, self.window_size, self.shift_size, x.device, activation_dtype(x))
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, input_resolution={self.input_resolution}, num_heads={self.num_heads}, "

@@ -304,7 +304,9 @@ def test_bad_input_is_one_line_and_exit_code_2(capsys):
     proc = run_script("estimate_memory.py", "--config", "full_size", "--crop_sise", "64", check=False, timeout=60)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "unrecognized arguments: --crop_sise" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
-    for args, message in ((["--world_size", "3", "--strategy", "ddp"], "divisible by the 3 ranks"),
+    for args, message in ((["--world_size", "3", "--strategy", "ddp"], "divisible by the 3 data-parallel ranks"),
+                          (["--cp", "4", "--world_size", "6", "--strategy", "fsdp"], "not a multiple of cp 4"),
+                          (["--cp", "2"], "cp > 1 is train_mp.py's domain parallelism"),
                           (["--amp_dtype", "fp8"], "not one of"),
                           (["--field", "720"], "HEIGHTxWIDTH")):
         with pytest.raises(SystemExit) as exit_info:

@@ -1,11 +1,13 @@
 """train_mp.py: tensor and context parallelism on a dp x cp x tp mesh equal one device.
 
 - Every layout of the ViT (dp2 x tp2, dp2 x cp2 with an uneven 2 + 1 row split and the other rank order,
-  tp2 x cp2 with activation checkpointing) and SwinIR's dp2 x tp2,
+  tp2 x cp2 with activation checkpointing) and SwinIR's dp2 x tp2 (SwinIR's cp, its field in bands:
+  tests/dp_layouts.py via tests/test_domain_parallel.py),
   step by step: the loss and all gradients of each step and all weights after 3 AdamW steps equal one
   process (tests/mp_layouts.py, one 4-process launch). The same check run on cp ranks whose
   gradients are averaged over dp only (NERSC DL4SCI25's final-norm bug) must fail.
-- train_mp.py end to end: SwinIR's tp 2 reproduces train.py's losses and weights; the ViT's tp 2 reproduces
+- train_mp.py end to end: SwinIR's tp 2 reproduces train.py's losses and weights, and its checkpoint resumes
+  with each field split into 2 bands (cp 2) to train.py's losses, validation metrics and weights; the ViT's tp 2 reproduces
   train.py's losses, weights, Adam moments and validation
   metrics; its DCP checkpoint resumes under cp 2 (with activation checkpointing) to the same weights.
 - Bad input: one line each.
@@ -20,12 +22,11 @@ import sys
 import pytest
 import torch
 
-from models import build_model
 from tests.conftest import (REFERENCE_STEPS, REPO, VIT_STEPS, read_metrics, resume_from, run_script, tiny_args,
                             vit_args, weights_at)
 from tests.test_ddp import assert_same_weights, train_losses
 from tests.test_fsdp import exported
-from tests.test_vit_training import assert_equals_single_device
+from tests.test_vit_training import assert_equals_single_device, val_records
 from utils.config import ConfigError, build_config
 from utils.context_parallel import apply_cp, band_rows
 from utils.distributed import cleanup_distributed, mp_mesh_layout
@@ -81,15 +82,42 @@ def test_a_tp_checkpoint_resumes_under_cp(mp_runs):
     assert_same_weights(exported(cp2, 7)["model"], weights_at(single, 7))
 
 
-def test_swinir_tensor_parallel_run_equals_one_device(tiny_data, reference_run, tmp_path):
-    # Part I's SwinIR under train_mp.py --tp 2: the losses of train.py's reference run, and its weights
-    # (relative-position-bias tables included) at step 3, from the same global batch and seed.
-    run = tmp_path / "swinir_tp2"
-    proc = run_script("train_mp.py", *tiny_args(tiny_data, run, *REFERENCE_STEPS, "--max_steps", "3", "--tp", "2"),
-                      ranks=2)
+@pytest.fixture(scope="module")
+def swinir_runs(tiny_data, reference_run, tmp_path_factory):
+    """Part I's SwinIR: tp 2 for 3 steps from scratch; then its step-3 checkpoint resumed to step 6 with
+    the field split into 2 bands (domain parallelism: 16 low-res rows = 8 + 8, the shifted windows crossing
+    the boundary), through validation at step 5 and its picture."""
+    root = tmp_path_factory.mktemp("swinir_runs")
+    runs = {"single": reference_run, "tp2": root / "tp2"}
+    proc = run_script("train_mp.py", *tiny_args(tiny_data, runs["tp2"], *REFERENCE_STEPS, "--max_steps", "3",
+                                                "--tp", "2"), ranks=2)
     assert "mesh dp 1 x cp 1 x tp 2" in proc.stdout
-    torch.testing.assert_close(train_losses(run), train_losses(reference_run)[:3], rtol=1e-4, atol=1e-5)
-    assert_same_weights(exported(run, 3)["model"], weights_at(reference_run, 3))
+    runs["cp2"] = resume_from(runs["tp2"], 3, root / "cp2")
+    proc = run_script("train_mp.py", *tiny_args(tiny_data, runs["cp2"], *REFERENCE_STEPS, "--max_steps", "6",
+                                                "--cp", "2", "--resume"), ranks=2)
+    assert "mesh dp 1 x cp 2 x tp 1" in proc.stdout and "resumed from" in proc.stdout
+    return runs
+
+
+def test_swinir_tensor_parallel_run_equals_one_device(swinir_runs):
+    # train_mp.py --tp 2: the losses of train.py's reference run, and its weights (relative-position-bias
+    # tables included) at step 3, from the same global batch and seed.
+    single, tp2 = swinir_runs["single"], swinir_runs["tp2"]
+    torch.testing.assert_close(train_losses(tp2), train_losses(single)[:3], rtol=1e-4, atol=1e-5)
+    assert_same_weights(exported(tp2, 3)["model"], weights_at(single, 3))
+
+
+def test_swinir_tp_checkpoint_resumes_with_the_field_in_bands(swinir_runs):
+    # Each rank read and computed half of every field; losses, validation (the model's and the bicubic
+    # baseline's, from bands gathered on the first band's rank) and weights are one device's.
+    single, cp2 = swinir_runs["single"], swinir_runs["cp2"]
+    torch.testing.assert_close(train_losses(cp2), train_losses(single)[3:6], rtol=1e-4, atol=1e-5)
+    mine, theirs = val_records(cp2)[0], val_records(single)[0]  # (cp2 validates again at its last step, 6)
+    assert mine["step"] == theirs["step"] == 5
+    for key in ("rmse", "bicubic_rmse"):
+        torch.testing.assert_close(mine[key], theirs[key], rtol=1e-4, atol=1e-6, msg=key)
+    assert_same_weights(exported(cp2, 6)["model"], weights_at(single, 6))
+    assert (cp2 / "samples" / "step_5.png").exists()
 
 
 def test_memory_report_per_rank(mp_runs):
@@ -127,9 +155,8 @@ class _Mesh:  # what apply_tp / apply_cp read of a 1-D mesh before they need a p
 def test_models_without_a_plan_are_refused():
     with pytest.raises(ConfigError, match="no tensor-parallel plan for Linear"):
         apply_tp(torch.nn.Linear(2, 2), _Mesh())
-    swinir = build_model(build_config("quickstart").model)
-    with pytest.raises(ConfigError, match="context parallelism splits the ViT's tokens"):
-        apply_cp(swinir, _Mesh())
+    with pytest.raises(ConfigError, match="splits the ViT's tokens or SwinIR's fields; Linear has no plan"):
+        apply_cp(torch.nn.Linear(2, 2), _Mesh())
 
 
 def test_hsdp_is_train_fsdp_only():

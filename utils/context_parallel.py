@@ -1,4 +1,5 @@
 """Context parallelism for the ViT: each rank of the "cp" mesh dimension holds one latitude band of tokens.
+(SwinIR's cp is domain parallelism, a band of the field itself: utils/domain_parallel.py; ``apply_cp`` picks.)
 
 Applied from outside, with hooks, to a plain ``models.vit.ViT`` (after tensor parallelism, before
 activation checkpointing, compile and FSDP2):
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from utils.config import ConfigError
+from utils.domain_parallel import apply_domain_parallel
 
 
 def band_rows(rows: int, cp: int) -> list[int]:
@@ -75,15 +77,16 @@ def gather_tokens(x: torch.Tensor, sizes: list[int], group, dim: int = 1) -> tor
 
 
 def apply_cp(model: nn.Module, cp_mesh) -> nn.Module:
-    """Split the ViT's tokens into latitude bands over ``cp_mesh`` (1-D); returns the model, hooked in place.
-
-    A cp mesh of size 1 changes nothing. Only the ViT has a context-parallel plan.
+    """Split the ViT's tokens into latitude bands over ``cp_mesh`` (1-D), or SwinIR's fields (domain
+    parallelism); returns the model, hooked in place. A cp mesh of size 1 changes nothing.
     """
     if cp_mesh is None or cp_mesh.size() == 1:
         return model
+    if hasattr(model, "swin_blocks"):
+        return apply_domain_parallel(model, cp_mesh)
     if not hasattr(model, "transformer") or not hasattr(model, "grid"):
-        raise ConfigError(f"context parallelism splits the ViT's tokens; {type(model).__name__} has no plan: "
-                          "use --cp 1 (SwinIR: tensor parallelism, --tp)")
+        raise ConfigError(f"context parallelism splits the ViT's tokens or SwinIR's fields; {type(model).__name__} "
+                          "has no plan: use --cp 1")
     rows, cols = model.grid
     sizes = [r * cols for r in band_rows(rows, cp_mesh.size())]
     rank, group = cp_mesh.get_local_rank(), cp_mesh.get_group()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -236,11 +237,13 @@ class ERA5Dataset(Dataset):
     ``channels``: the channel count the model expects (checked against the files when given).
 
     ``read="whole"`` reads the whole day and then crops, as SuperBench; only for benchmarks.
+    ``bands`` (task "sr", domain parallelism: utils/domain_parallel.py): return only this rank's band of
+    rows of each pair, reading only those rows and the two the bicubic downsampling reaches beyond them.
     """
 
     def __init__(self, split_dir, task: str = "sr", upscale: int = 2, crop_size: int = 128, n_patches: int = 8,
                  seed: int = 0, train: bool = True, read: str = "hyperslab", lead: int = 1,
-                 channels: Optional[int] = None):
+                 channels: Optional[int] = None, bands=None):
         if task not in TASKS:
             raise DataError(f"task {task!r} is not one of {', '.join(TASKS)}")
         if read not in READ_MODES:
@@ -254,9 +257,14 @@ class ERA5Dataset(Dataset):
         if channels is not None:
             check_channels(self.files[0], channels)
         self.task, self.upscale, self.crop_size, self.seed, self.train, self.read = task, upscale, crop_size, seed, train, read
+        if bands is not None and task != "sr":
+            raise DataError(f"bands of a field are for task 'sr' (SwinIR's domain parallelism), not {task!r}")
+        self.bands = None if bands is None else bands.layout()  # picklable: no process group
         self.height = self.files[0].height - 1  # SuperBench drops the last latitude row (721 -> 720)
         self.width = self.files[0].width
         self._check_geometry()
+        if self.bands is not None:
+            self.bands.bounds(self.sample_rows // upscale)  # a field too small for cp bands: say so now, not in a worker
         self.patches_per_day = n_patches if crop_size else 1
         self.lead = lead if task == "forecast" else 0  # a forecast pair needs sample t+lead in the same file
         counts = [max(f.days - self.lead, 0) for f in self.files]
@@ -333,13 +341,19 @@ class ERA5Dataset(Dataset):
             self._handles[file] = (h5, h5[FIELDS_KEY])
         return self._handles[file][1]
 
-    def read_field(self, file: int, day: int, row: int = 0, col: int = 0) -> torch.Tensor:
-        """(C, size, size) at (row, col), or the whole (C, H - 1, W) field when crop_size is 0.
+    @property
+    def sample_rows(self) -> int:
+        """Rows of a (high-resolution) sample: the crop's, or the whole field's."""
+        return self.crop_size or self.height
+
+    def read_field(self, file: int, day: int, row: int = 0, col: int = 0, height: Optional[int] = None) -> torch.Tensor:
+        """(C, size, size) at (row, col), or the whole (C, H - 1, W) field when crop_size is 0; ``height``
+        rows from ``row`` instead of the sample's (a band of it).
 
         Only the crop's hyperslab is read (for chunked files, the tiles it touches);
         read="whole" reads the whole day first, as SuperBench.
         """
-        size_r = self.crop_size or self.height
+        size_r = height or self.sample_rows
         size_c = self.crop_size or self.width
         rows, cols = slice(row, row + size_r), slice(col, col + size_c)
         fields = self._fields(file)
@@ -362,10 +376,24 @@ class ERA5Dataset(Dataset):
             raise IndexError(f"index {index} out of range for {len(self)} samples")
         file, day = self.locate(index)
         row, col = self.crop_origin(index)
+        if self.bands is not None:
+            return self._band_pair(file, day, row, col)
         x = self.read_field(file, day, row, col)
         if self.task == "forecast":
             return x, self.read_field(file, day + self.lead, row, col)
         return bicubic_downsample(x, self.upscale), x
+
+    def _band_pair(self, file: int, day: int, row: int, col: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(low-res band, high-res band) of this rank, equal to those rows of the whole pair."""
+        from utils.domain_parallel import BICUBIC_REACH
+
+        s = self.upscale
+        start, stop = self.bands.bounds(self.sample_rows // s)  # low-res rows
+        reach = s * math.ceil(BICUBIC_REACH / s)  # the taps' reach, in whole low-res rows
+        low, high = max(s * start - reach, 0), min(s * stop + reach, self.sample_rows)
+        x = self.read_field(file, day, row + low, col, height=high - low)
+        lr = bicubic_downsample(x, s)[:, start - low // s:stop - low // s]
+        return lr.contiguous(), x[:, s * start - low:s * stop - low].contiguous()
 
     def close(self) -> None:
         """Close the HDF5 files this process opened (a later read reopens them)."""
@@ -586,8 +614,9 @@ def evenly_spaced(dataset, samples: int, subset: type[Subset] = Subset):
     return subset(dataset, [int(i * stride) for i in range(samples)])
 
 
-def build_loaders(cfg, rank: int = 0, world_size: int = 1) -> tuple[DataLoader, DataLoader]:
-    """(train, validation) loaders of this rank from a utils.config.Config.
+def build_loaders(cfg, rank: int = 0, world_size: int = 1, bands=None) -> tuple[DataLoader, DataLoader]:
+    """(train, validation) loaders of this rank from a utils.config.Config; with ``bands``, of this rank's
+    band of each sample (SwinIR's domain parallelism).
 
     First fills in and checks the config against the data (:func:`resolve_from_data`).
     ``cfg.train.batch_size`` is global (per rank: batch_size // world_size). Training uses
@@ -604,7 +633,7 @@ def build_loaders(cfg, rank: int = 0, world_size: int = 1) -> tuple[DataLoader, 
         )
     per_rank = global_batch // world_size
     common = dict(task=d.task, upscale=cfg.model.upscale, crop_size=d.crop_size, n_patches=d.n_patches, seed=seed,
-                  lead=d.lead, channels=cfg.model.in_chans)
+                  lead=d.lead, channels=cfg.model.in_chans, bands=bands)
     train_set = evenly_spaced(ERA5Dataset(root / d.train_split, train=True, **common), d.train_samples, _SubsetWithEpoch)
     valid_set = evenly_spaced(ERA5Dataset(root / d.valid_split, train=False, **common), d.val_samples)
     workers = dict(num_workers=d.num_workers, pin_memory=d.pin_memory, persistent_workers=d.persistent_workers,

@@ -97,6 +97,7 @@ import torch
 from torch import nn
 
 from utils.config import Config, ConfigError, img_hw
+from utils.domain_parallel import band_bounds
 
 GB = 1e9  # decimal gigabytes, as utils.metrics.peak_memory_gb and nvidia-smi's "GB"
 ERA5_FIELD = (720, 1440)  # SuperBench's 721 x 1440 with the last latitude row dropped
@@ -105,6 +106,7 @@ LN_STATS_BYTES = 8  # LayerNorm keeps mean and 1/std per token, in fp32 even for
 ADAMW_STATE_BYTES = 8  # exp_avg + exp_avg_sq in fp32 per parameter
 ADAMW_STEP_BYTES = 4  # and one fp32 step count per parameter tensor
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+CONV_PARTS = ("stem", "rstb_convs", "body", "upsampler")  # SwinIR's parts around its 3x3 convolutions
 
 
 # =============================================================================================
@@ -746,9 +748,15 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
         raise ConfigError(f"world_size must be >= 1, got {world_size}")
     if strategy == "none" and world_size != 1:
         raise ConfigError(f"world_size {world_size} needs --strategy ddp or fsdp")
-    if cfg.train.batch_size % world_size:
+    if cfg.model.model == "swinir" and cfg.dist.cp > 1 and strategy != "fsdp":
+        raise ConfigError("cp > 1 is train_mp.py's domain parallelism, sharded with FSDP2 over dp x cp: use --strategy fsdp "
+                          "with --world_size a multiple of cp")
+    cp = cfg.dist.cp if cfg.model.model == "swinir" else 1  # SwinIR's cp: bands of each field (domain parallelism)
+    if world_size % cp:
+        raise ConfigError(f"world_size {world_size} is not a multiple of cp {cp}: each field is split over cp ranks")
+    if cfg.train.batch_size % (world_size // cp):
         raise ConfigError(f"batch_size {cfg.train.batch_size} is the global batch and must be divisible by the "
-                          f"{world_size} ranks; use a multiple of {world_size}")
+                          f"{world_size // cp} data-parallel ranks; use a multiple of {world_size // cp}")
     if device_type is None:
         device_type = cfg.train.device if cfg.train.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     shape = model_shape(cfg.model)
@@ -756,7 +764,7 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
     ac = cfg.train.ac
     shape.check_supported(ac, d.fsdp_unit if strategy == "fsdp" else "block")
     param_dtype = d.param_dtype if strategy == "fsdp" else "fp32"
-    batch = cfg.train.batch_size // world_size
+    batch = cfg.train.batch_size // (world_size // cp)
 
     # ---------------------------------------------------------------------- activations
     if isinstance(shape, ViTShape):
@@ -773,6 +781,9 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
         p = precision_for(device_type, cfg.train.amp_dtype, param_dtype)
         kernel = attention_kernel(device_type)
         height, width = lr_size or lr_input_size(cfg, field)
+        if cp > 1:  # this rank's rows: the first band, the largest (whole windows, no padding)
+            start, stop = band_bounds(height, cfg.model.window_size, cp)[0]
+            height = stop - start
         pm = shape.pad_multiple
         padded = (math.ceil(height / pm) * pm, math.ceil(width / pm) * pm)
         out_pixels = batch * height * shape.scale * width * shape.scale
@@ -781,6 +792,9 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
     parts = held_after_forward(graph)
     if isinstance(shape, SwinIRShape):
         parts.setdefault("rstb_convs", 0.0)
+        if cp > 1:  # approximate: each 3x3 convolution saves its input with a halo row above and below
+            for part in CONV_PARTS:
+                parts[part] = parts.get(part, 0.0) * (height + 2) / height
     # Autocast saves a low-precision copy of each linear/conv weight used outside checkpointed units.
     parts["autocast_weight_copies"] = 2.0 * shape.cast_weights(ac) if p.weight_copies else 0.0
     activations = sum(parts.values())
@@ -823,6 +837,8 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
         setting["field"], setting["field_source"] = list(size), source
     if strategy == "fsdp":
         setting.update(shard_group=shard, fsdp_unit=d.fsdp_unit, param_dtype=param_dtype)
+    if cp > 1:
+        setting["cp"] = cp
     return MemoryEstimate(params, grads, optimizer, activations, temporary, parts, phases, params_detail, setting)
 
 

@@ -15,7 +15,9 @@ The training scripts never branch on the model or the task; they do::
   climatology (the training split's time-mean field, ``<data_dir>/stats/time_means.npy``);
   picture: input, truth, forecast and the errors of persistence and forecast.
 
-All metrics are in physical units and independent of batching and of the number of ranks.
+All metrics are in physical units and independent of batching and of the number of ranks. Under
+SwinIR's domain parallelism (``bands``) each rank evaluates its band of every field, the metrics sum
+over the bands and the picture's sample is gathered band by band on the first band's rank.
 A new task (a later 3-D volume task, say) is one more class here and one entry in ``TASKS``.
 """
 
@@ -29,6 +31,7 @@ import torch
 from torch import nn
 
 from utils.data import DataError, read_climatology, scan_split
+from utils.domain_parallel import BICUBIC_REACH, gather_bands, halo
 from utils.metrics import (ACCAccumulator, RMSEAccumulator, bicubic_upsample, latitude_weights, save_forecast_png,
                            save_sample_png)
 from utils.training import autocast
@@ -46,6 +49,8 @@ class Task:
     """Base of the tasks: the evaluation loop; subclasses say what to measure and draw."""
 
     name = ""
+    bands = None
+    """This rank's band of the fields (utils.domain_parallel.FieldBands) when they are split over ranks."""
 
     def __init__(self, channel_names: list[str], key_channels: list[str]):
         self.channel_names = list(channel_names)
@@ -78,7 +83,7 @@ class Task:
             pred = pred.float()
             if accumulators is None:
                 accumulators = self.new_accumulators(target.shape[1], device)
-                sample = tuple(t[0].detach().cpu() for t in self.picture_sample(inputs, pred, target))
+                sample = tuple(self._on_cpu(t[0].detach()) for t in self.picture_sample(inputs, pred, target))
             if padding_mask is not None:  # leave out the repeats the sampler added to even out the ranks
                 real = padding_mask(seen, len(inputs)).to(device)
                 seen += len(inputs)
@@ -90,18 +95,27 @@ class Task:
             raise DataError("the validation split yielded no samples: check valid_split and val_samples")
         return Evaluation({key: acc.compute(all_reduce) for key, acc in accumulators.items()}, sample)
 
+    def _on_cpu(self, field: torch.Tensor) -> torch.Tensor:
+        """(C, H, W) on the CPU: the whole field on the first band's rank when the field is split into bands."""
+        return field.cpu() if self.bands is None else gather_bands(field, 1, self.bands)
+
 
 class SuperResolution(Task):
     """Part I: (low-res, high-res) pairs; the baseline is bicubic interpolation."""
 
     name = "sr"
 
-    def __init__(self, channel_names: list[str], key_channels: list[str], upscale: int):
+    def __init__(self, channel_names: list[str], key_channels: list[str], upscale: int, bands=None):
         super().__init__(channel_names, key_channels)
-        self.upscale = upscale
+        self.upscale, self.bands = upscale, bands
 
     def _bicubic(self, inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return bicubic_upsample(inputs, self.upscale, size=target.shape[-2:])
+        if self.bands is None:
+            return bicubic_upsample(inputs, self.upscale, size=target.shape[-2:])
+        # A band's bicubic reads the neighbours' nearest rows; at the field's edges it clamps, as on one device.
+        above = 0 if self.bands.first else BICUBIC_REACH
+        extended = halo(inputs, BICUBIC_REACH, 2, self.bands, zeros_at_edges=False)
+        return bicubic_upsample(extended, self.upscale).narrow(2, above * self.upscale, target.shape[2])
 
     def new_accumulators(self, channels: int, device: torch.device) -> dict:
         return {"rmse": RMSEAccumulator(channels, device), "bicubic_rmse": RMSEAccumulator(channels, device)}
@@ -150,12 +164,12 @@ class Forecast(Task):
         save_forecast_png(path, *evaluation.sample, self.channel_names, channels=shown)
 
 
-def build_task(cfg, device: Optional[torch.device] = None) -> Task:
+def build_task(cfg, device: Optional[torch.device] = None, bands=None) -> Task:
     """The task of ``cfg.data.task``, with what it needs from the data (call after build_loaders, which
-    fills in the channel names)."""
+    fills in the channel names); ``bands``: the loaders give this rank's band of each field (task sr)."""
     d = cfg.data
     if d.task == "sr":
-        return SuperResolution(d.channel_names, d.key_channels, cfg.model.upscale)
+        return SuperResolution(d.channel_names, d.key_channels, cfg.model.upscale, bands)
     if d.task == "forecast":
         first = scan_split(Path(d.data_dir) / d.valid_split)[0]
         rows = first.height - 1  # the dataset drops the last latitude row

@@ -147,7 +147,9 @@ def replicate_rest(model: nn.Module, mesh, local_output: bool = False) -> None:
                      if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
 
     def output_to_local(_module, output, _device_mesh):
-        return output.to_local() if isinstance(output, DTensor) else output
+        # A copy, not to_local's alias: SwinIR applies in-place activations (LeakyReLU(inplace=True) after
+        # conv_before_upsample) to some of these outputs, which autograd forbids on a custom function's alias.
+        return output.to_local().clone() if isinstance(output, DTensor) else output
 
     for module in model.modules():
         plain = [p for p in module.parameters(recurse=False) if not isinstance(p, DTensor)]
