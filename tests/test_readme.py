@@ -85,6 +85,8 @@ CPU_RUN = {
     "torchrun --standalone --nproc-per-node 2 train_pp.py --config quickstart --pp 2 --pp_schedule zbv "
     "--depths '[1,1,1,1]' --num_heads '[2,2,2,2]' --batch_size 4 --run_dir runs/quickstart_pp2":
         "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 2",
+    "torchrun --standalone --nproc-per-node 2 train_mp.py --config quickstart --cp 2 --run_dir runs/quickstart_cp2":
+        "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 2",
 }
 CPU_RUN = {shlex.join(shlex.split(key)): value for key, value in CPU_RUN.items()}  # as the pages' commands
 TRAINS = re.compile(r"\btrain\w*\.py\b|\btorchrun\b|bench_ddp_overhead")
