@@ -3,18 +3,21 @@
 #   make test    virtualenv + install + test dependencies + pytest
 # and for Part II's ViT forecaster:
 #   make train-vit   virtualenv + install + synthetic 20-channel data (if missing) + train.py --config vit_quickstart
+# and for Part III's 3-D U-Net:
+#   make train-unet  virtualenv + install + synthetic N-body -> hydro boxes (if missing) + train.py --config unet3d_quickstart
 # Installs take the tested versions from constraints.txt; `make lock` refreshes it, LOCK= skips it.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 QUICKSTART_DATA := datasets/synthetic_small
 VIT_DATA := datasets/synthetic_vit
+VOLUME_DATA := datasets/synthetic_volume
 VIT_LAYOUT := --channels nersc20 --hours-per-step 6 --height 33 --width 64 --seed 0
 # The tested versions (see its header). LOCK= installs the newest versions requirements.txt allows.
 LOCK_FILE := constraints.txt
 LOCK ?= $(LOCK_FILE)
 
-.PHONY: train train-vit test data data-vit install lock clean
+.PHONY: train train-vit train-unet test data data-vit data-unet install lock clean
 
 install: $(VENV)/.installed
 
@@ -61,10 +64,20 @@ $(VIT_DATA)/valid/2015.h5: | $(VENV)/.installed
 train-vit: $(VENV)/.installed data-vit
 	$(PY) train.py --config vit_quickstart
 
+# The U-Net quickstart's stand-in for SC22's boxes (utils/volume_data.py's STAND_IN): a 96^3 training box,
+# then a 64^3 validation box; each file appears only when complete, so the validation file marks the whole set.
+data-unet: $(VOLUME_DATA)/valid.h5
+
+$(VOLUME_DATA)/valid.h5: | $(VENV)/.installed
+	$(PY) datasets/make_synthetic_volume.py --out $(VOLUME_DATA) --train-side 96 --valid-side 64 --seed 0
+
+train-unet: $(VENV)/.installed data-unet
+	$(PY) train.py --config unet3d_quickstart
+
 # Test dependencies beyond pip (slurm-wlm, munge, shellcheck) come from apt when running as root.
 test: $(VENV)/.installed
 	bash tests/install_slurm.sh
 	$(PY) -m pytest -q tests
 
 clean:
-	rm -rf runs $(QUICKSTART_DATA) $(VIT_DATA)
+	rm -rf runs $(QUICKSTART_DATA) $(VIT_DATA) $(VOLUME_DATA)

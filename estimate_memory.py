@@ -1,7 +1,7 @@
 """Steps 1-2 and Part II — predict the peak training memory of a config, before running out of it.
 
-Works for both models of the tutorial (the config's ``model`` key): SwinIR (Part I) and the ViT
-forecaster (Part II). Adds up, per rank: parameters, gradients, AdamW state, the activations
+Works for every model of the tutorial (the config's ``model`` key): SwinIR (Part I), the ViT
+forecaster (Part II) and SC22's 3-D U-Net (Part III). Adds up, per rank: parameters, gradients, AdamW state, the activations
 autograd holds for backward (a formula per layer: SwinIR's windowed attention grows linearly with
 the number of pixels; the ViT's fused SDPA saves q, k, v and the output, never the tokens x tokens
 matrix, so it grows linearly with the tokens too), and the temporary peak of backward. Nothing is
@@ -16,6 +16,7 @@ run: it takes a second.
     python estimate_memory.py --config vit_mp --device cuda --ac block
     python estimate_memory.py --config vit_mp --device cuda --strategy fsdp --world_size 4
     python estimate_memory.py --config full_size --cp 4 --world_size 4 --strategy fsdp   # 4 bands per field
+    python estimate_memory.py --config unet3d_base --device cuda        # SC22's U-Net, 64³ crops, batch 64
     python estimate_memory.py --config full_size --json                 # one JSON object
 
 Any config key can be overridden as in the training scripts (`--help` lists them). batch_size is
@@ -24,6 +25,7 @@ always its whole img_size field (no crops, no --field); its activation checkpoin
 FSDP unit are the transformer block (``ac: layer`` is SwinIR's RSTB, an error for the ViT).
 For SwinIR, --cp N (train_mp.py's domain parallelism) estimates the rank holding the largest band of
 each field: the cp ranks of a field share its samples, FSDP2 shards over all --world_size ranks.
+The U-Net's input is its crop_size³ crop; its units are its down and up blocks (one convolution each).
 See utils/memory.py for the model of each term, and which terms are exact or approximate;
 benchmarks/validate_memory_estimate.py compares the estimate with measurements.
 """
@@ -41,6 +43,7 @@ ACCURACY = {  # what the estimate can promise for each term (utils/memory.py exp
     "grads": "exact",
     "optimizer": "exact",
     "activations": {"cpu": "exact (measured on CPU)", "cuda": "modelled (SDPA kernel)"},
+    "activations_conv": {"cpu": "exact (measured on CPU)", "cuda": "modelled"},  # the U-Net: no attention
     "temporary": "approximate",
 }
 
@@ -81,6 +84,11 @@ def format_table(estimate: MemoryEstimate) -> str:
             f"batch {s['batch_per_rank']} per rank = {s['tokens_per_rank']:,} tokens; device {s['device_type']} "
             f"({s['attention']} attention); {s['precision']}; activation checkpointing {s['ac']}; "
             f"loss {s['loss']} ({s['loss_space']})")
+    elif model == "U-Net":
+        side = s["lr_input"][0]
+        lines.append(
+            f"  input {side}³ crops, batch {s['batch_per_rank']} per rank = {s['tokens_per_rank']:,} voxels; "
+            f"device {s['device_type']}; {s['precision']}; activation checkpointing {s['ac']}")
     else:
         lines.append(
             f"  input {s['lr_input'][0]}x{s['lr_input'][1]} low-res{' (the largest band)' if 'cp' in s else ''} "
@@ -93,7 +101,8 @@ def format_table(estimate: MemoryEstimate) -> str:
         "",
         f"  {'per rank':34s} {'GB':>10s}   accuracy",
     ]
-    accuracy = dict(ACCURACY, activations=ACCURACY["activations"][s["device_type"]])
+    accuracy = dict(ACCURACY, activations=ACCURACY["activations_conv" if model == "U-Net" else "activations"][
+        s["device_type"]])
 
     def row(name, value, note="", indent=2):
         lines.append(f"{' ' * indent}{name:{36 - indent}s} {value / GB:10.3f}   {note}")

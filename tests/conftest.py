@@ -87,6 +87,38 @@ def vit_reference(vit_data, tmp_path_factory) -> Path:
     return run
 
 
+# SC22's U-Net in miniature (tests/test_unet3d.py): 2 levels of 4 and 8 channels on 16^3 crops of 32^3 boxes,
+# 16 crops per epoch / batch 4 = 4 steps per epoch: 6 steps cross the epoch boundary; validations (the 8 crops
+# that tile the validation box) at steps 3 and 6; checkpoints at 2, 4 (end of epoch) and 6.
+UNET_MODEL = ["--crop_size", "16", "--widths", "[4, 8]", "--train_samples", "16", "--warmup_steps", "2"]
+UNET_STEPS = ("--max_steps", "6", "--log_every", "1", "--val_every", "3", "--ckpt_every", "2",
+              "--keep_checkpoints", "10")
+
+
+@pytest.fixture(scope="session")
+def volume_data(tmp_path_factory) -> Path:
+    """SC22's layout in miniature: train.h5 and valid.h5, 32^3 boxes of the synthetic N-body -> hydro fields."""
+    from datasets.make_synthetic_volume import make_synthetic_volume
+
+    root = tmp_path_factory.mktemp("volume")
+    make_synthetic_volume(root, train_side=32, valid_side=32, seed=0, progress=False)
+    return root
+
+
+def unet_args(data_dir, run_dir, *extra: str) -> list[str]:
+    return ["--config", "unet3d_quickstart", "--data_dir", str(data_dir), "--run_dir", str(run_dir), "--batch_size",
+            "4", "--num_workers", "0", "--progress", "never", *UNET_MODEL, *extra]
+
+
+@pytest.fixture(scope="session")
+def unet_reference(volume_data, tmp_path_factory) -> Path:
+    """The miniature U-Net under train.py with UNET_STEPS (augmentation on the host): what the other layouts,
+    augmentation on the device and resumed runs must reproduce."""
+    run = tmp_path_factory.mktemp("unet_reference") / "single"
+    run_script("train.py", *unet_args(volume_data, run, *UNET_STEPS), in_process=True)
+    return run
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -1,7 +1,7 @@
 """estimate_memory.py and utils/memory.py: the analytic estimate against measurements on CPU.
 
-SwinIR's activations are checked within the issue's 15 %, the ViT's to the byte (every term of its
-CPU path is exact: see utils/memory.py); the CUDA paths are modelled, and checked here only for
+SwinIR's activations are checked within the issue's 15 %, the ViT's and the 3-D U-Net's to the byte
+(every term of their CPU paths is exact: see utils/memory.py); the CUDA paths are modelled, and checked here only for
 their consequences (what fits a 40/80 GB GPU).
 """
 
@@ -126,9 +126,9 @@ def assert_same_parameters(cfg):
     # ViT configs leave mean/std to the data's statistics: any values build the same parameters.
     m = cfg.model if cfg.model.mean else dataclasses.replace(cfg.model, mean=[0.0] * cfg.model.in_chans,
                                                              std=[1.0] * cfg.model.in_chans)
-    # The ViT on the meta device (shapes only: vit_mp's 350M parameters cost no memory or init time);
-    # SwinIR builds its attention masks from data, so it needs a real device.
-    with torch.device("meta") if m.model == "vit" else contextlib.nullcontext():
+    # The ViT and the U-Net on the meta device (shapes only: vit_mp's 350M parameters, SC22's 117M cost no
+    # memory or init time); SwinIR builds its attention masks from data, so it needs a real device.
+    with torch.device("meta") if m.model != "swinir" else contextlib.nullcontext():
         model = build_model(m)
     shape = model_shape(cfg.model)
     assert shape.num_params() == count_parameters(model)
@@ -262,6 +262,52 @@ def test_vit_rejects_what_it_cannot_do():
         estimate(build_config("vit_base", {"fsdp_unit": "layer"}), 2, "fsdp", "cuda")
     with pytest.raises(ConfigError, match="img_size"):
         estimate(build_config("vit_base"), field=(720, 1440), device_type="cuda")
+
+
+# ------------------------------------------------------------------ SC22's 3-D U-Net
+
+# Three levels (4, 8, 8 channels) on 16³ crops: a forward in milliseconds.
+TINY_UNET = dict(widths=[4, 8, 8], full_scale=False, crop_size=16, batch_size=2, device="cpu")
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(),
+    dict(amp_dtype="bf16"),
+    dict(ac="block"),
+    dict(amp_dtype="bf16", ac="block"),
+    dict(full_scale=True, batch_size=3),
+    dict(lambda_rho=0.5, amp_dtype="fp16"),
+])
+def test_unet_estimated_activations_equal_measured_to_the_byte(overrides):
+    cfg = build_config("unet3d_quickstart", {**TINY_UNET, **overrides})
+    x, y = random_batch(cfg)
+    model = build_for_measurement(cfg)
+    measured = measure_saved_activations(model, x, y, cfg.train.amp_dtype, loss_for(cfg)).bytes
+    assert estimate(cfg, device_type="cpu").activations == measured
+    assert trace_saved_activations(model, tuple(x.shape), cfg.train.amp_dtype, loss_for(cfg)).bytes == measured
+
+
+def test_unet_training_step_measured_against_estimate():
+    cfg = build_config("unet3d_quickstart", {**TINY_UNET, "widths": [8, 16, 16], "crop_size": 32, "batch_size": 4,
+                                             "amp_dtype": "bf16", "ac": "block"})
+    measured = measure_config(cfg)
+    predicted = estimate(cfg, device_type="cpu")
+    assert (predicted.params, predicted.grads, predicted.optimizer) == (measured.params, measured.grads,
+                                                                          measured.optimizer)
+    assert predicted.activations == measured.activations
+    assert relative_error(predicted.total, measured.peak) <= 0.2, (predicted.total, measured.peak)
+
+
+def test_unet_table_names_the_model_and_the_crops(capsys):
+    assert estimate_memory.main(["--config", "unet3d_base", "--device", "cuda"]) == 0
+    table = capsys.readouterr().out
+    for words in ("U-Net training memory estimate — config unet3d_base: 116,977,029 parameters",
+                  "input 64³ crops, batch 64 per rank = 16,777,216 voxels", "fits 40 GB: yes"):
+        assert words in table, words
+    fsdp = estimate(build_config("unet3d_base"), 4, "fsdp", "cuda")
+    assert fsdp.params_detail["gathered_root"] == 4 * (64 * 128 * 5 + 5)  # the last convolution
+    with pytest.raises(ConfigError, match="--field does not apply"):
+        estimate(build_config("unet3d_base"), field=(64, 64), device_type="cuda")
 
 
 # ------------------------------------------------------------------ the command line

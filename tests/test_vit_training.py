@@ -52,18 +52,18 @@ def test_single_device_run_records_forecast_metrics(vit_runs):
     assert (vit_runs["single"] / "samples" / "step_7.png").exists()
 
 
-def assert_equals_single_device(other, single, load) -> None:
-    """``other`` run ended as ``single`` did: losses, weights and Adam moments at steps 3 and 7 (``load(step)``:
+def assert_equals_single_device(other, single, load, steps=(3, 7), metrics=FORECAST_METRICS) -> None:
+    """``other`` run ended as ``single`` did: losses, weights and Adam moments at ``steps`` (``load(step)``:
     its checkpoint as a train.py payload), and every validation metric."""
     torch.testing.assert_close(train_losses(other), train_losses(single), rtol=1e-4, atol=1e-6)
-    for step in (3, 7):
+    for step in steps:
         payload = load(step)
         reference = load_checkpoint(single / "checkpoints" / f"step_{step:08d}.pt")
         assert_same_weights(payload["model"], reference["model"])
         for mine, theirs in zip(optimizer_moments(payload), optimizer_moments(reference), strict=True):
             torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-7)
     for mine, theirs in zip(val_records(other), val_records(single), strict=True):
-        for key in FORECAST_METRICS:
+        for key in metrics:
             torch.testing.assert_close(mine[key], theirs[key], rtol=1e-4, atol=1e-6, msg=key)
 
 

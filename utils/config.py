@@ -44,8 +44,9 @@ class DataConfig:
     """Folder under data_dir with the training files."""
     valid_split: str = "valid_1"
     """Folder under data_dir with the validation files."""
-    task: Literal["sr", "forecast"] = "sr"
-    """sr: (low-res, high-res) pairs; forecast: (sample t, sample t+lead) pairs of one file."""
+    task: Literal["sr", "forecast", "volume"] = "sr"
+    """sr: (low-res, high-res) pairs; forecast: (sample t, sample t+lead) pairs of one file; volume: cubic crops of
+    (input, target) fields of one simulation box (Part III, utils/volume_data.py)."""
     lead: int = 1
     """forecast: steps between input and target (NERSC's 6-hourly data: 1 = six hours ahead)."""
     channel_names: list[str] = field(default_factory=list)
@@ -53,7 +54,7 @@ class DataConfig:
     key_channels: list[str] = field(default_factory=list)
     """Channels the console line and the validation picture show (all are in metrics.jsonl and TensorBoard); empty = all on the console, the first two in forecast pictures."""
     crop_size: int = 128
-    """High-resolution crop side in pixels; 0 trains on whole 720x1440 fields."""
+    """High-resolution crop side in pixels; 0 trains on whole 720x1440 fields. volume: side of the cubic crops (SC22: 64)."""
     n_patches: int = 8
     """Random crops per day and epoch (SuperBench uses 8); ignored for whole fields."""
     num_workers: int = 4
@@ -67,21 +68,33 @@ class DataConfig:
     drop_last: bool = True
     """Drop the last incomplete training batch so every step has the full global batch."""
     train_samples: int = 0
-    """Training samples used, evenly spaced over the split (0 = all; NERSC's limit_nsamples)."""
+    """Training samples used, evenly spaced over the split (0 = all; NERSC's limit_nsamples). volume: random crops
+    per epoch (SC22: 65,536; 0 = as many as tile the box)."""
     val_samples: int = 64
-    """Validation samples evaluated at each validation, evenly spaced (0 = the whole split)."""
+    """Validation samples evaluated at each validation, evenly spaced (0 = the whole split). volume: fixed random
+    crops (0 = the crops that tile the box, every voxel once)."""
     val_batch_size: int = 0
     """Validation batch size per rank; 0 = the training batch size per rank."""
+    augment: Literal["none", "host", "device"] = "host"
+    """volume: each training crop turned by one of the cube's 48 rotations and reflections, the same for input and
+    target, in the loader (host, SC22's PyTorch loader) or after the copy to the device (device, SC22's DALI)."""
 
 
 @dataclass
 class ModelConfig:
-    model: Literal["swinir", "vit"] = "swinir"
-    """Architecture to build (models/__init__.py:build_model): SwinIR (Part I) or the ViT forecaster (Part II)."""
+    model: Literal["swinir", "vit", "unet3d"] = "swinir"
+    """Architecture to build (models/__init__.py:build_model): SwinIR (Part I), the ViT forecaster (Part II) or
+    SC22's 3-D U-Net (Part III)."""
     upscale: int = 2
     """SwinIR: super-resolution factor; the data's low-res input is the high-res field downsampled by it."""
     in_chans: int = 3
-    """Input and output channels; must equal the data's (SuperBench: 3, NERSC's ERA5: 20)."""
+    """Input and output channels; must equal the data's (SuperBench: 3, NERSC's ERA5: 20). U-Net: input channels (SC22: 4)."""
+    out_chans: int = 5
+    """U-Net: output channels, the target fields (SC22: 5); SwinIR and the ViT output in_chans."""
+    widths: list[int] = field(default_factory=lambda: [64, 128, 256, 512, 512])
+    """U-Net: channels of each level of the down path; each level halves the side (SC22: 64, 128, 256, 512, 512)."""
+    full_scale: bool = True
+    """U-Net: one more level of widths[-1] channels (SC22's six levels; crops then divide by 64)."""
     img_size: list[int] = field(default_factory=lambda: [64])
     """Input size [height, width] ([S] = SxS). ViT: sizes the position embedding, inputs must have it; SwinIR: the low-res size the original expects, any input works."""
     patch_size: int = 8
@@ -134,6 +147,8 @@ class TrainConfig:
     """exponential schedule: decay applied once per epoch."""
     loss: Literal["l1", "mse", "relative_l2"] = "l1"
     """Training loss; relative_l2 = batch mean of ||pred - target|| / ||target|| per sample (NERSC's ViT)."""
+    lambda_rho: float = 0.0
+    """volume: weight of SC22's extra L1 on exp(14 x) of target channel 0 (the density, stored as log(rho) / 14)."""
     loss_space: Literal["physical", "normalized"] = "physical"
     """Units the loss is computed in: physical, or normalised per channel by mean/std (each channel counts alike)."""
     amp_dtype: Literal["none", "bf16", "fp16"] = "none"
@@ -386,7 +401,8 @@ def validate(cfg: Config) -> None:
     """Value checks that types alone do not catch (checks against the data: utils.data.resolve_from_data)."""
     d, m, t = cfg.data, cfg.model, cfg.train
     positive = {"batch_size": t.batch_size, "upscale": m.upscale, "window_size": m.window_size, "lead": d.lead,
-                "embed_dim": m.embed_dim, "in_chans": m.in_chans, "n_patches": d.n_patches, "patch_size": m.patch_size}
+                "embed_dim": m.embed_dim, "in_chans": m.in_chans, "n_patches": d.n_patches, "patch_size": m.patch_size,
+                "out_chans": m.out_chans}
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key} must be > 0, got {value}")
@@ -420,6 +436,10 @@ def validate(cfg: Config) -> None:
         if height % m.patch_size or width % m.patch_size:
             raise ConfigError(f"img_size {height}x{width} is not divisible by patch_size {m.patch_size}: "
                               "use a patch size that divides both sides")
+    if m.model == "unet3d" or d.task == "volume":
+        _validate_unet3d(cfg)
+    elif t.lambda_rho:
+        raise ConfigError(f"lambda_rho weighs the density of task volume (SC22's U-Net); task {d.task} has none: set 0")
     if cfg.dist.tp < 1 or cfg.dist.cp < 1:
         raise ConfigError(f"tp and cp must be >= 1, got tp {cfg.dist.tp}, cp {cfg.dist.cp}")
     if cfg.dist.pp < 1 or cfg.dist.pp_microbatches < 1 or any(n < 1 for n in cfg.dist.pp_split):
@@ -437,12 +457,36 @@ def validate(cfg: Config) -> None:
                           f"(= from <data_dir>/stats); got {len(m.mean)} and {len(m.std)}")
     if any(s <= 0 for s in m.std):
         raise ConfigError(f"std must be > 0, got {m.std}")
-    if d.channel_names and len(d.channel_names) != m.in_chans:
-        raise ConfigError(f"channel_names has {len(d.channel_names)} names but in_chans is {m.in_chans}")
+    named, key = (m.out_chans, "out_chans") if d.task == "volume" else (m.in_chans, "in_chans")  # the metrics' channels
+    if d.channel_names and len(d.channel_names) != named:
+        raise ConfigError(f"channel_names has {len(d.channel_names)} names but {key} is {named}")
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
         raise ConfigError(f"betas must be two numbers in [0, 1), got {t.betas}")
     if t.lr <= 0:
         raise ConfigError(f"lr must be > 0, got {t.lr}")
+
+
+def _validate_unet3d(cfg: Config) -> None:
+    """The U-Net and task volume come together; its crops must survive every halving of the down path."""
+    d, m, t = cfg.data, cfg.model, cfg.train
+    if m.model != "unet3d" or d.task != "volume":
+        raise ConfigError(f"task volume is what model unet3d trains on, and only it: got model {m.model} with task "
+                          f"{d.task}; use --config unet3d_base (or unet3d_quickstart)")
+    if not m.widths or min(m.widths) < 1:
+        raise ConfigError(f"widths must be one or more positive channel counts, got {m.widths}")
+    levels = len(m.widths) + m.full_scale
+    if d.crop_size < 2 ** levels or d.crop_size % 2 ** levels:
+        raise ConfigError(f"crop_size {d.crop_size} must be a multiple of 2**{levels} = {2 ** levels}: the U-Net halves "
+                          f"it {levels} times ({len(m.widths)} widths{' + full_scale' if m.full_scale else ''}); "
+                          f"use {max(2 ** levels, d.crop_size // 2 ** levels * 2 ** levels)} or fewer levels")
+    if "layer" in (t.ac, cfg.dist.fsdp_unit):
+        raise ConfigError("ac/fsdp_unit 'layer' is SwinIR's RSTB; the U-Net's unit is its block (each level's "
+                          "convolution): use block")
+    if t.lambda_rho < 0:
+        raise ConfigError(f"lambda_rho must be >= 0, got {t.lambda_rho}")
+    if t.loss != "l1" or t.loss_space != "physical":
+        raise ConfigError(f"the U-Net trains with SC22's L1 loss on the stored (already scaled) fields: set loss l1 and "
+                          f"loss_space physical, not {t.loss} / {t.loss_space}")
 
 
 def img_hw(model_cfg: ModelConfig) -> tuple[int, int]:

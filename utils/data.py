@@ -623,6 +623,10 @@ def build_loaders(cfg, rank: int = 0, world_size: int = 1, bands=None) -> tuple[
     ``train_samples`` and validation ``val_samples`` evenly spaced samples (0 = all), validation in
     order, with fixed crops.
     """
+    if cfg.data.task == "volume":  # Part III: crops of one simulation box
+        from utils.volume_data import build_volume_loaders
+
+        return build_volume_loaders(cfg, rank, world_size)
     d, seed, global_batch = cfg.data, cfg.train.seed, cfg.train.batch_size
     root = Path(d.data_dir)
     resolve_from_data(cfg)

@@ -1,4 +1,5 @@
-"""Training memory of SwinIR and of the ViT forecaster: an analytic estimate, and the measurements that check it.
+"""Training memory of SwinIR, the ViT forecaster and SC22's 3-D U-Net: an analytic estimate, and the measurements
+that check it.
 
 Estimate — :func:`estimate_memory` (what ``estimate_memory.py`` prints) adds up, per rank:
 
@@ -16,7 +17,11 @@ Estimate — :func:`estimate_memory` (what ``estimate_memory.py`` prints) adds u
   LayerNorm → fc1 → GELU → fc2 → residual, then LayerNorm → head → unpatchify → de-normalisation,
   and the loss (L1, MSE or NERSC's relative L2, in physical or normalised units). Its global
   attention goes through fused SDPA kernels that save q, k, v, the output and a log-sum-exp per
-  row — not the tokens × tokens matrix — so it too grows linearly with the tokens;
+  row — not the tokens × tokens matrix — so it too grows linearly with the tokens.
+  SC22's U-Net (``models/unet3d.py``, :func:`unet3d_training_graph`): each convolution saves its input,
+  each in-place activation its output (the same tensor as the next convolution's input), the up path
+  also the concatenations [upsampled, skip]; tanh its output, L1 the difference. Exact to the byte on
+  CPU (fp32, bf16/fp16 autocast, AC none/block, ``lambda_rho``; tests/test_memory.py);
 * temporary: the extra memory of the worst moment of the step on top of the held activations.
   The same layer list is walked as autograd walks it (:func:`simulate_peak`): forward adds what
   each layer saves; backward, in reverse, frees it once the layer's backward has run, re-creates
@@ -343,6 +348,61 @@ class ViTShape:
             raise ConfigError("ac 'layer' checkpoints SwinIR's RSTBs; the ViT has one stage: use ac block or none")
         if fsdp_unit == "layer":
             raise ConfigError("fsdp_unit 'layer' shards SwinIR's RSTBs; the ViT's FSDP unit is the block")
+
+
+@dataclass(frozen=True)
+class UNet3DShape:
+    """What the memory of SC22's 3-D U-Net depends on (models/unet3d.py), read from the config's model section."""
+
+    in_chans: int
+    out_chans: int
+    widths: tuple[int, ...]
+    """Channels of every level of the down path, the full_scale level included."""
+
+    @classmethod
+    def from_config(cls, m) -> "UNet3DShape":
+        return cls(m.in_chans, m.out_chans, tuple(m.widths) + ((m.widths[-1],) if m.full_scale else ()))
+
+    name = "U-Net"
+
+    @property
+    def levels(self) -> int:
+        return len(self.widths)
+
+    def convolutions(self) -> list[tuple[int, int]]:
+        """(input, output) channels of every convolution in forward order: the down blocks, the up blocks
+        (from the second on, their input is the previous output concatenated with the skip: twice the width)
+        and the last transposed convolution."""
+        w = self.widths
+        down = list(zip((self.in_chans, *w[:-1]), w))
+        up = [(w[i] * (1 if i == len(w) - 1 else 2), w[i - 1]) for i in range(len(w) - 1, 0, -1)]
+        return down + up + [(2 * w[0], self.out_chans)]
+
+    # ------------------------------------------------------------------ parameters (exact)
+
+    def conv_params(self) -> list[tuple[int, int]]:
+        """(weights that autocast casts, all parameters) of each convolution (kernel 4³, with bias)."""
+        return [(64 * c_in * c_out, 64 * c_in * c_out + c_out) for c_in, c_out in self.convolutions()]
+
+    def num_params(self) -> int:
+        return sum(total for _, total in self.conv_params())
+
+    def num_param_tensors(self) -> int:
+        return 2 * len(self.conv_params())
+
+    def fsdp_units(self, unit: str) -> list[int]:
+        """Parameters of each FSDP unit: every down and up block (the root keeps the last convolution)."""
+        return [total for _, total in self.conv_params()[:-1]]
+
+    def cast_weights(self, ac: str) -> int:
+        """Conv weights whose autocast copies stay saved: those used outside checkpointed blocks."""
+        weights = [w for w, _ in self.conv_params()]
+        return weights[-1] + (sum(weights[:-1]) if ac == "none" else 0)
+
+    def check_supported(self, ac: str = "none", fsdp_unit: str = "block") -> None:
+        if "layer" in (ac, fsdp_unit):
+            raise ConfigError("ac/fsdp_unit 'layer' is SwinIR's RSTB; the U-Net's unit is its block (each level's "
+                              "convolution): use block")
 
 
 # =============================================================================================
@@ -677,6 +737,57 @@ def vit_training_graph(shape: ViTShape, p: ViTPrecision, kernel: str, ac: str, b
     return graph
 
 
+# ------------------------------------------------------------------ SC22's 3-D U-Net (models/unet3d.py)
+
+
+def unet3d_training_graph(shape: UNet3DShape, a: int, input_held: int, ac: str, batch: int, side: int,
+                          lambda_rho: float = 0.0) -> list[Layer]:
+    """The U-Net's training step as a list of layers in forward order (models/unet3d.py: UNet3D.forward).
+
+    Every convolution saves its input (in the compute dtype ``a``: under autocast the first one saves a
+    cast copy of the fp32 input), and every activation works in place and saves its output, which is also
+    the next convolution's input: one tensor per level of the down path. The up path saves each block's
+    ReLU output and the concatenation [upsampled, skip] that the next block (or the last convolution) takes;
+    tanh saves its output, L1 the fp32 difference. With ``ac: block`` each down and up block keeps only its
+    input (``input_held`` bytes per value for the fp32 input of the first) and the concatenations, made
+    outside the blocks, stay.
+    """
+    w, levels = shape.widths, shape.levels
+    voxels = [batch * (side >> (k + 1)) ** 3 for k in range(levels)]  # per sample and channel, level k
+    full = batch * side ** 3
+    out = [voxels[k] * w[k] * a for k in range(levels)]  # each down block's output
+    checkpointed = ac == "block"
+    graph = []
+    for k in range(levels):
+        unit = k if checkpointed else None
+        if k == 0:  # the input: kept by the checkpoint as given, else saved by the convolution (a cast copy)
+            given = full * shape.in_chans
+            graph.append(Layer("down", given * (input_held if checkpointed else a), 0.0, 0.0, unit, checkpointed))
+            if checkpointed and input_held != a:  # inside the block: the convolution's cast copy
+                graph.append(Layer("down", given * a, given * a, given * a, unit))
+        elif checkpointed:  # the previous block's output, kept as this block's input
+            graph.append(Layer("down", out[k - 1], 0.0, 0.0, unit, True))
+        graph.append(Layer("down", out[k], out[k], 2 * out[k] + (out[k - 1] if k else 0.0), unit))  # conv, LeakyReLU
+    for j, k in enumerate(range(levels - 2, -1, -1)):  # up block j makes level k
+        unit = levels + j if checkpointed else None
+        if j == 0 and checkpointed:  # the deepest output, kept as the first up block's input
+            graph.append(Layer("up", out[levels - 1], 0.0, 0.0, unit, True))
+        given = out[k + 1] if j == 0 else voxels[k + 1] * 2 * w[k + 1] * a
+        relu = voxels[k] * w[k] * a
+        graph += [
+            Layer("up", relu, relu, given + 2 * relu, unit),                   # ConvTranspose + ReLU: its output
+            Layer("up", 2 * relu, 2 * relu, 4 * relu),                         # [upsampled, skip]: a new tensor
+        ]
+    prediction = full * shape.out_chans
+    graph += [
+        Layer("last", prediction * a, prediction * a, prediction * a + voxels[0] * 2 * w[0] * a),  # ConvTranspose, tanh
+        loss_layer("l1", "physical", prediction * 4, batch, shape.out_chans),
+    ]
+    if lambda_rho:  # exp(14 x) of the predicted density saves its output, its L1 the difference
+        graph[-1].saved += 2 * full * 4
+    return graph
+
+
 def held_after_forward(graph: list[Layer]) -> dict[str, float]:
     """Bytes held for backward at the end of forward, by part: checkpointed units keep only their inputs."""
     parts: dict[str, float] = {}
@@ -720,15 +831,21 @@ def simulate_peak(graph: list[Layer]) -> tuple[float, float]:
     return peak_forward, peak_backward
 
 
-def model_shape(model_cfg) -> "SwinIRShape | ViTShape":
-    """The shape the estimate needs of the config's model (``model: swinir`` or ``vit``)."""
-    return ViTShape.from_config(model_cfg) if model_cfg.model == "vit" else SwinIRShape.from_config(model_cfg)
+SHAPES = {"swinir": SwinIRShape, "vit": ViTShape, "unet3d": UNet3DShape}
 
 
-def input_size(cfg: Config, field: Optional[tuple[int, int]] = None) -> tuple[int, int]:
-    """Height and width of the model's input: the ViT's img_size (its only size), SwinIR's low-res input."""
+def model_shape(model_cfg) -> "SwinIRShape | ViTShape | UNet3DShape":
+    """The shape the estimate needs of the config's model (``model: swinir``, ``vit`` or ``unet3d``)."""
+    return SHAPES[model_cfg.model].from_config(model_cfg)
+
+
+def input_size(cfg: Config, field: Optional[tuple[int, int]] = None) -> tuple[int, ...]:
+    """Spatial size of the model's input: the ViT's img_size (its only size), SwinIR's low-res input, the
+    U-Net's crop (side, side, side)."""
     if cfg.model.model == "vit":
         return img_hw(cfg.model)
+    if cfg.model.model == "unet3d":
+        return (cfg.data.crop_size,) * 3
     return lr_input_size(cfg, field)
 
 
@@ -777,6 +894,17 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
         kernel = vit_attention_kernel(device_type, p, shape.head_dim)
         graph = vit_training_graph(shape, p, kernel, ac, batch, cfg.train.loss, cfg.train.loss_space)
         tokens = batch * shape.tokens
+    elif isinstance(shape, UNet3DShape):
+        if field:
+            raise ConfigError("the U-Net trains on crop_size³ crops of a volume: --field does not apply; set --crop_size")
+        side = lr_size[0] if lr_size else cfg.data.crop_size
+        height = width = side
+        padded = (side,) * 3
+        p = precision_for(device_type, cfg.train.amp_dtype, param_dtype)
+        p = dataclasses.replace(p, label=p.label.replace(" (LayerNorm in fp32)", ""))  # no LayerNorm here
+        kernel = "conv3d"
+        graph = unet3d_training_graph(shape, p.matmul, DTYPE_BYTES[param_dtype], ac, batch, side, cfg.train.lambda_rho)
+        tokens = batch * side ** 3
     else:
         p = precision_for(device_type, cfg.train.amp_dtype, param_dtype)
         kernel = attention_kernel(device_type)
@@ -825,7 +953,8 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
 
     setting = {
         "model": shape.name, "config": cfg.name, "strategy": strategy, "world_size": world_size,
-        "batch_per_rank": batch, "lr_input": [height, width], "padded_input": list(padded), "tokens_per_rank": tokens,
+        "batch_per_rank": batch, "lr_input": list(padded) if isinstance(shape, UNet3DShape) else [height, width],
+        "padded_input": list(padded), "tokens_per_rank": tokens,
         "amp_dtype": cfg.train.amp_dtype, "ac": ac, "device_type": device_type, "attention": kernel,
         "precision": p.label, "num_params": num_params,
     }
@@ -998,6 +1127,8 @@ def trace_saved_activations(model: nn.Module, lr_shape: tuple[int, ...], amp_dty
     model.train()
     scale = getattr(model, "upscale", 1) if getattr(model, "upsampler", "") else 1
     hr_shape = (*lr_shape[:-2], lr_shape[-2] * scale, lr_shape[-1] * scale)
+    if hasattr(model, "out_chans"):  # the U-Net: other channels out than in
+        hr_shape = (lr_shape[0], model.out_chans, *lr_shape[2:])
     with _fresh_mask_cache(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
         state = {}
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
@@ -1152,6 +1283,10 @@ def random_batch(cfg: Config, lr_size: Optional[tuple[int, int]] = None, device=
     lr_size = lr_size or input_size(cfg)
     scale = m.upscale if m.upsampler and m.model == "swinir" else 1  # the ViT forecasts the same grid
     g = torch.Generator().manual_seed(0)
+    if m.model == "unet3d":  # stored fields, already in tanh's range
+        side = lr_size[0]
+        return tuple((0.3 * torch.randn(batch, c, side, side, side, generator=g)).to(device)
+                     for c in (m.in_chans, m.out_chans))
     mean = torch.tensor(m.mean or [0.0] * m.in_chans).view(1, -1, 1, 1)
     std = torch.tensor(m.std or [1.0] * m.in_chans).view(1, -1, 1, 1)
     lr = torch.randn(batch, m.in_chans, *lr_size, generator=g) * std + mean

@@ -21,7 +21,8 @@
 - :class:`RMSEAccumulator` gives per-channel (optionally latitude-weighted) RMSE over a whole
   validation set and all ranks; :class:`ACCAccumulator` the anomaly correlation of forecasts.
 - :func:`save_sample_png` draws one super-resolution sample next to its bicubic baseline,
-  :func:`save_forecast_png` one forecast next to persistence.
+  :func:`save_forecast_png` one forecast next to persistence, :func:`save_volume_png` a slice of a 3-D
+  sample (inputs, truth, model, error); :class:`L1Accumulator` gives per-channel mean absolute errors.
 """
 
 from __future__ import annotations
@@ -568,6 +569,29 @@ class ACCAccumulator:
         return (sums[0] / sums[1]).tolist()
 
 
+class L1Accumulator:
+    """Per-channel mean absolute error over a whole validation set of (B, C, ...) tensors (2-D fields or 3-D
+    volumes), independent of batching and of the number of ranks: sums in float64, divided once at the end."""
+
+    def __init__(self, channels: int, device="cpu"):
+        self.channels = channels
+        self._sums = torch.zeros(2, channels, dtype=torch.float64, device=device)  # |error| sum, values
+
+    def update(self, pred: torch.Tensor, target: torch.Tensor) -> None:
+        if pred.shape != target.shape or pred.dim() < 3 or pred.shape[1] != self.channels:
+            raise ValueError(f"L1Accumulator({self.channels} channels) needs pred and target of equal shape "
+                             f"(B, {self.channels}, ...); got {tuple(pred.shape)} and {tuple(target.shape)}")
+        error = pred.detach().to(self._sums.device, torch.float64) - target.detach().to(self._sums.device, torch.float64)
+        self._sums[0] += error.abs().transpose(0, 1).reshape(self.channels, -1).sum(dim=1)
+        self._sums[1] += pred[:, 0].numel()
+
+    def compute(self, all_reduce: bool = False) -> list[float]:
+        sums = _summed(self._sums, all_reduce)
+        if (sums[1] == 0).any():
+            raise ValueError("L1Accumulator.compute: no samples were added (empty validation set?)")
+        return (sums[0] / sums[1]).tolist()
+
+
 def _summed(sums: torch.Tensor, all_reduce: bool) -> torch.Tensor:
     sums = sums.clone()
     if all_reduce and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -689,6 +713,59 @@ def save_forecast_png(
     _save_panels(path, rows, height / width, title, panel_width_in, dpi)
 
 
+def save_volume_png(
+    path,
+    inputs: torch.Tensor,
+    pred: torch.Tensor,
+    truth: torch.Tensor,
+    input_names: Optional[Sequence[str]] = None,
+    channel_names: Optional[Sequence[str]] = None,
+    title: Optional[str] = None,
+    panel_width_in: float = 2.4,
+    dpi: int = 110,
+) -> None:
+    """Draw the middle slice (along axis 0) of one 3-D sample: a row per output channel with an input channel
+    (row r shows input r, as far as there are inputs), the truth, the model and |model − truth|.
+
+    Truth and model share the truth's colour range; each input has its own. Written atomically.
+    """
+    x_np, p_np, t_np = (_as_chw_numpy(t[:, t.shape[1] // 2] if t.dim() == 4 else t, n)
+                        for t, n in ((inputs, "inputs"), (pred, "pred"), (truth, "truth")))
+    if p_np.shape != t_np.shape:
+        raise ValueError(f"save_volume_png: pred and truth must have one shape; got {p_np.shape} and {t_np.shape}")
+    in_names, out_names = _channel_labels(input_names, x_np.shape[0]), _channel_labels(channel_names, t_np.shape[0])
+    from matplotlib.figure import Figure
+
+    rows = max(len(in_names), len(out_names))
+    fig = Figure(figsize=(4 * panel_width_in + 2.4, rows * (panel_width_in * t_np.shape[1] / t_np.shape[2] + 0.5) + 0.5),
+                 layout="constrained")
+    axes = fig.subplots(rows, 4, squeeze=False)
+    for row in range(rows):
+        if row < len(in_names):
+            image = axes[row, 0].imshow(x_np[row], cmap="cividis")
+            axes[row, 0].set_title(f"input: {in_names[row]}", fontsize=9)
+            fig.colorbar(image, ax=axes[row, 0], shrink=0.9, pad=0.01)
+        if row < len(out_names):
+            vmin, vmax = float(np.nanmin(t_np[row])), float(np.nanmax(t_np[row]))
+            for ax, field, label in ((axes[row, 1], t_np[row], f"truth: {out_names[row]}"),
+                                     (axes[row, 2], p_np[row], f"model  L1 {np.abs(p_np[row] - t_np[row]).mean():.3g}")):
+                image = ax.imshow(field, cmap="viridis", vmin=vmin, vmax=vmax)
+                ax.set_title(label, fontsize=9)
+            fig.colorbar(image, ax=list(axes[row, 1:3]), shrink=0.9, pad=0.01)
+            error = np.abs(p_np[row] - t_np[row])
+            image = axes[row, 3].imshow(error, cmap="magma", vmin=0.0, vmax=float(np.nanmax(error)) or 1.0)
+            axes[row, 3].set_title("|model − truth|", fontsize=9)
+            fig.colorbar(image, ax=axes[row, 3], shrink=0.9, pad=0.01)
+        for ax in axes[row]:
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if not ax.images:
+                ax.set_axis_off()
+    if title:
+        fig.suptitle(title, fontsize=11)
+    _save_figure(fig, path, dpi)
+
+
 def _channel_labels(channel_names: Optional[Sequence[str]], channels: int) -> list[str]:
     return list(channel_names) if channel_names else [f"channel {c}" for c in range(channels)]
 
@@ -720,7 +797,11 @@ def _save_panels(path, rows, aspect: float, title: Optional[str], panel_width_in
             ax.set_yticks([])
     if title:
         fig.suptitle(title, fontsize=11)
+    _save_figure(fig, path, dpi)
 
+
+def _save_figure(fig, path, dpi: int) -> None:
+    """Write a figure as PNG atomically (parent folders created; a failed write is one line)."""
     path = Path(path)
     with reporting_write_failures("picture", path, run_dir=find_run_dir(path)):
         path.parent.mkdir(parents=True, exist_ok=True)

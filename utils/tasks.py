@@ -14,11 +14,14 @@ The training scripts never branch on the model or the task; they do::
   two baselines every forecaster is judged against: persistence (tomorrow = today) and the
   climatology (the training split's time-mean field, ``<data_dir>/stats/time_means.npy``);
   picture: input, truth, forecast and the errors of persistence and forecast.
+- ``volume`` (Part III, the 3-D U-Net): per-channel L1 of the model and of the constant prediction of
+  each target channel's mean over the training box (what a model must clearly beat to have learned
+  anything); picture: the middle slice of inputs, truth, model and error.
 
-All metrics are in physical units and independent of batching and of the number of ranks. Under
-SwinIR's domain parallelism (``bands``) each rank evaluates its band of every field, the metrics sum
-over the bands and the picture's sample is gathered band by band on the first band's rank.
-A new task (a later 3-D volume task, say) is one more class here and one entry in ``TASKS``.
+All metrics are in physical units (for volumes: the stored, scaled fields) and independent of batching
+and of the number of ranks. Under SwinIR's domain parallelism (``bands``) each rank evaluates its band
+of every field, the metrics sum over the bands and the picture's sample is gathered band by band on the
+first band's rank. A new task is one more class here and one branch in ``build_task``.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ from torch import nn
 
 from utils.data import DataError, read_climatology, scan_split
 from utils.domain_parallel import BICUBIC_REACH, gather_bands, halo
-from utils.metrics import (ACCAccumulator, RMSEAccumulator, bicubic_upsample, latitude_weights, save_forecast_png,
-                           save_sample_png)
+from utils.metrics import (ACCAccumulator, L1Accumulator, RMSEAccumulator, bicubic_upsample, latitude_weights,
+                           save_forecast_png, save_sample_png, save_volume_png)
 from utils.training import autocast
 
 
@@ -164,6 +167,32 @@ class Forecast(Task):
         save_forecast_png(path, *evaluation.sample, self.channel_names, channels=shown)
 
 
+class Volume(Task):
+    """Part III: (input, target) crops of a simulation box; the baseline predicts each target channel's mean."""
+
+    name = "volume"
+
+    def __init__(self, channel_names: list[str], key_channels: list[str], target_mean: torch.Tensor,
+                 input_names: list[str]):
+        super().__init__(channel_names, key_channels)
+        self.target_mean = target_mean  # (C,), the training box's
+        self.input_names = list(input_names)
+
+    def new_accumulators(self, channels: int, device: torch.device) -> dict:
+        return {"l1": L1Accumulator(channels, device), "mean_l1": L1Accumulator(channels, device)}
+
+    def update(self, accumulators, inputs, pred, target) -> None:
+        accumulators["l1"].update(pred, target)
+        mean = self.target_mean.to(target.device, target.dtype).view(1, -1, *[1] * (target.dim() - 2))
+        accumulators["mean_l1"].update(mean.expand_as(target), target)
+
+    def picture_sample(self, inputs, pred, target) -> tuple:
+        return inputs, pred, target
+
+    def save_picture(self, path, evaluation: Evaluation) -> None:
+        save_volume_png(path, *evaluation.sample, self.input_names, self.channel_names)
+
+
 def build_task(cfg, device: Optional[torch.device] = None, bands=None) -> Task:
     """The task of ``cfg.data.task``, with what it needs from the data (call after build_loaders, which
     fills in the channel names); ``bands``: the loaders give this rank's band of each field (task sr)."""
@@ -176,4 +205,8 @@ def build_task(cfg, device: Optional[torch.device] = None, bands=None) -> Task:
         climatology = torch.from_numpy(read_climatology(d.data_dir, first.channels, rows, first.width))
         return Forecast(d.channel_names, d.key_channels, climatology.to(device or "cpu"),
                         latitude_weights(first.height, rows))
+    if d.task == "volume":
+        from utils.volume_data import input_names, target_mean
+
+        return Volume(d.channel_names, d.key_channels, torch.tensor(target_mean(cfg)), input_names(cfg))
     raise ValueError(f"unknown task {d.task!r}")

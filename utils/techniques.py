@@ -53,14 +53,16 @@ def apply_compile(model: nn.Module, enabled: bool, backend: str = "inductor") ->
     """torch.compile each block in place (``Module.compile``).
 
     Blocks share one code object, but dynamo specialises on their constants (SwinIR's shift, the
-    drop-path probability), so it compiles one graph per distinct block. The recompile limit is
-    raised to that count: at the default (8) the tutorial's 36 Swin blocks would silently run 28
-    of them eagerly. In-place compilation keeps parameter names free of ``_orig_mod.``.
+    drop-path probability) and their weights' shapes (the U-Net's levels), so it compiles one graph
+    per distinct block. The recompile limit is raised to that count: at the default (8) the
+    tutorial's 36 Swin blocks would silently run 28 of them eagerly. In-place compilation keeps
+    parameter names free of ``_orig_mod.``.
     """
     if not enabled:
         return model
     blocks = list(model.blocks())
-    variants = {(getattr(block, "shift_size", 0), getattr(block.drop_path, "drop_prob", 0.0)) for block in blocks}
+    variants = {(getattr(block, "shift_size", 0), getattr(getattr(block, "drop_path", None), "drop_prob", 0.0),
+                 tuple(p.shape for p in block.parameters())) for block in blocks}
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(variants))
     for block in blocks:
         block.compile(backend=backend)

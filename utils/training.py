@@ -7,6 +7,7 @@ The training step itself is written out in each script; only the objects it uses
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import random
@@ -92,6 +93,12 @@ def relative_l2(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((pred - target).norm(dim=1) / target.norm(dim=1)).mean()
 
 
+def l1_with_density(pred: torch.Tensor, target: torch.Tensor, lambda_rho: float) -> torch.Tensor:
+    """SC22's U-Net loss: L1, plus lambda_rho x the L1 of channel 0 back in density units (stored as log(rho) / 14)."""
+    density = F.l1_loss(torch.exp(14.0 * pred[:, 0]), torch.exp(14.0 * target[:, 0]))
+    return F.l1_loss(pred, target) + lambda_rho * density
+
+
 LOSSES = {"l1": F.l1_loss, "mse": F.mse_loss, "relative_l2": relative_l2}
 
 
@@ -102,6 +109,8 @@ def build_loss(cfg: Config) -> Callable[[torch.Tensor, torch.Tensor], torch.Tens
     channel in pascals does not outweigh one in kelvins (NERSC computes its loss on normalised data).
     """
     base = LOSSES[cfg.train.loss]
+    if cfg.train.lambda_rho:
+        return functools.partial(l1_with_density, lambda_rho=cfg.train.lambda_rho)
     if cfg.train.loss_space == "physical":
         return base
     mean = torch.tensor(cfg.model.mean, dtype=torch.float32).view(1, -1, 1, 1)
