@@ -79,6 +79,11 @@ CPU_RUN = {
     "python train.py --config vit_quickstart":
         "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 4 --batch_size 4",
     "python rollout.py --checkpoint runs/vit_quickstart --steps 8 --samples 32": "... --samples 2",
+    # docs/part3-unet3d.md (datasets/synthetic_volume: conftest's 32³ boxes)
+    "python train.py --config unet3d_quickstart": "... --max_steps 2 --log_every 1 --val_every 2",
+    "python train_with_profiling.py --config unet3d_quickstart --max_steps 4 --val_every 0 --breakdown_steps 20 "
+    "--memory_timeline false --profile_active 1 --augment host --run_dir runs/unet3d_profile_host":
+        "... --breakdown_steps 2",
     # docs/beyond-data-parallel.md
     "torchrun --standalone --nproc-per-node 2 train_mp.py --config vit_quickstart --tp 2 --run_dir runs/vit_tp2":
         "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 4 --batch_size 4",
@@ -276,7 +281,7 @@ def make_vit_stand_in(root: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def executed(tiny_data, tmp_path_factory) -> dict[str, Result]:
+def executed(tiny_data, volume_data, tmp_path_factory) -> dict[str, Result]:
     """Every runnable command of every page, in order, in one scratch copy of the repository: its own
     runs/ and a datasets/ whose quickstart stand-ins are the tests' tiny ones. A command shown twice
     (a `bash` line and its `$` output block) runs once."""
@@ -291,6 +296,7 @@ def executed(tiny_data, tmp_path_factory) -> dict[str, Result]:
             (ws / "datasets" / entry.name).symlink_to(entry)
     (ws / "datasets" / "synthetic_small").symlink_to(tiny_data)
     make_vit_stand_in(ws / "datasets" / "synthetic_vit")
+    (ws / "datasets" / "synthetic_volume").symlink_to(volume_data)
     results: dict[str, Result] = {}
     cwd = os.getcwd()
     os.chdir(ws)

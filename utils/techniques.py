@@ -63,7 +63,9 @@ def apply_compile(model: nn.Module, enabled: bool, backend: str = "inductor") ->
     blocks = list(model.blocks())
     variants = {(getattr(block, "shift_size", 0), getattr(getattr(block, "drop_path", None), "drop_prob", 0.0),
                  tuple(p.shape for p in block.parameters())) for block in blocks}
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(variants))
+    # Each variant may also compile once more for validation (no_grad) and, under autocast, for an fp32 and a
+    # low-precision input (the U-Net's first block takes the fp32 crop, the others bf16 activations).
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(variants))
     for block in blocks:
         block.compile(backend=backend)
     return model
