@@ -6,7 +6,8 @@ from typing import Sequence
 
 import torch
 import torch.nn as nn
-from timm.layers import trunc_normal_
+
+from .layers import trunc_normal_
 
 
 def init_transformer_weights(m: nn.Module) -> None:

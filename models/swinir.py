@@ -37,10 +37,10 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from timm.layers import DropPath, Mlp, to_2tuple, trunc_normal_
 from torch.utils.checkpoint import checkpoint
 
 from .common import PhysicalUnitsModel, init_transformer_weights
+from .layers import DropPath, Mlp, trunc_normal_
 
 # Value the original adds to attention logits between tokens that the cyclic shift brought
 # together from different image regions (kept for bit-compatible results; exp(-100) ~ 4e-44).
@@ -211,7 +211,7 @@ class SwinTransformerBlock(nn.Module):
         if not 0 <= self.shift_size < self.window_size:
             raise ValueError(f"shift_size {self.shift_size} must be in [0, window_size {self.window_size})")
         self.norm1 = norm_layer(dim)
-        self.attn = WindowAttention(dim, window_size=to_2tuple(self.window_size), num_heads=num_heads,
+        self.attn = WindowAttention(dim, window_size=(self.window_size, self.window_size), num_heads=num_heads,
                                     qkv_bias=qkv_bias, qk_scale=qk_scale, attn_drop=attn_drop, proj_drop=drop)
         self.drop_path = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
         self.norm2 = norm_layer(dim)
@@ -432,7 +432,7 @@ class SwinIR(PhysicalUnitsModel):
         self.ape = ape
         self.patch_norm = patch_norm
         self.mlp_ratio = mlp_ratio
-        self.patches_resolution = list(to_2tuple(img_size))
+        self.patches_resolution = [img_size, img_size] if isinstance(img_size, int) else list(img_size)
         self.patch_embed = PatchEmbed(embed_dim, norm_layer if patch_norm else None)
         if ape:
             num_patches = self.patches_resolution[0] * self.patches_resolution[1]

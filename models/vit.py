@@ -30,9 +30,9 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from timm.layers import DropPath, Mlp, trunc_normal_
 
 from .common import PhysicalUnitsModel, init_transformer_weights
+from .layers import DropPath, Mlp, trunc_normal_
 
 LAYER_NORM_EPS = 1e-6
 

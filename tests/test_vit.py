@@ -10,9 +10,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from timm.layers import DropPath
+import timm.layers
 
 from models import build_model, count_parameters
+from models.layers import DropPath, Mlp, trunc_normal_
 from models.vit import Block, ViT
 from utils.config import ConfigError, build_config
 
@@ -54,6 +55,30 @@ def test_blocks_are_the_transformer_blocks_in_order():
     blocks = model.blocks()
     assert len(blocks) == 3 and all(isinstance(b, Block) for b in blocks)
     assert all(a is b for a, b in zip(blocks, model.transformer))
+
+
+def seeded(make, seed: int = 0):
+    torch.manual_seed(seed)
+    return make()
+
+
+def test_hand_written_layers_are_timms():
+    # models/layers.py replaces timm.layers to save each process timm's import (see there): same
+    # parameters from the same seed, same outputs, same gradients, same random draws.
+    pairs = [(lambda: Mlp(8, 16, drop=0.25), lambda: timm.layers.Mlp(8, 16, drop=0.25)),
+             (lambda: DropPath(0.3), lambda: timm.layers.DropPath(0.3))]
+    for make_ours, make_theirs in pairs:
+        ours, theirs = seeded(make_ours), seeded(make_theirs)
+        assert [(n, p.shape) for n, p in ours.named_parameters()] == [(n, p.shape) for n, p in theirs.named_parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), theirs.parameters()))
+        x = torch.randn(6, 5, 8, requires_grad=True)
+        outputs = [seeded(lambda: layer.train()(x), seed=1) for layer in (ours, theirs)]
+        grads = [torch.autograd.grad(out.square().sum(), x)[0] for out in outputs]
+        assert torch.equal(*outputs) and torch.equal(*grads)
+        assert not torch.equal(outputs[0], x)  # the random drop did something
+    a = seeded(lambda: trunc_normal_(torch.empty(1000), std=0.02), seed=2)
+    b = seeded(lambda: timm.layers.trunc_normal_(torch.empty(1000), std=0.02), seed=2)
+    assert torch.equal(a, b)
 
 
 def test_drop_path_modules_only_with_a_positive_rate():
