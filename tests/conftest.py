@@ -155,7 +155,7 @@ def run_script(*args: str, timeout: float = 240, env_extra: dict | None = None, 
     the ranks' in rank order. Tests of what torchrun itself does (stopping the other ranks when one
     fails) use ``launcher`` with real torchrun. ``in_process=True`` runs a one-process script in this
     interpreter (as `python SCRIPT`, with 1 thread as OMP_NUM_THREADS=1 gives a subprocess), saving the
-    ~5 s of importing torch and timm again: for runs whose results are compared, not their exit as a command.
+    ~3 s of importing torch again: for runs whose results are compared, not their exit as a command.
     """
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     cmd = (launcher or [sys.executable]) + list(args)
