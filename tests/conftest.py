@@ -119,6 +119,20 @@ def unet_reference(volume_data, tmp_path_factory) -> Path:
     return run
 
 
+class FakeMesh:
+    """A 1-D mesh of 2 ranks seen from rank 0, for what the techniques read of a mesh before they need a
+    process group (its size, this rank, the group)."""
+
+    def size(self):
+        return 2
+
+    def get_local_rank(self):
+        return 0
+
+    def get_group(self):
+        return None
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from models.swinir import SwinIR
-from tests.conftest import run_script
+from tests.conftest import FakeMesh, run_script
 from utils.config import ConfigError, build_config
 from utils.context_parallel import apply_cp
 from utils.data import ERA5Dataset
@@ -114,21 +114,10 @@ def test_bands_and_their_errors():
         band_bounds(18, 8, 3)
 
 
-class _Mesh:  # what apply_cp and field_bands read of a 1-D cp mesh
-    def size(self):
-        return 2
-
-    def get_local_rank(self):
-        return 0
-
-    def get_group(self):
-        return None
-
-
 def test_what_domain_parallelism_refuses():
     model = {"depths": [1], "num_heads": [2], "embed_dim": 8, "img_size": 16, "window_size": 8}
     with pytest.raises(ConfigError, match="does not split the absolute position embedding .* use cp 1"):
-        apply_cp(SwinIR(**model, ape=True), _Mesh())
+        apply_cp(SwinIR(**model, ape=True), FakeMesh())
     with pytest.raises(ConfigError, match="loss .* is not a mean over the field's points"):
-        field_bands(build_config("quickstart", {**model, "loss": "relative_l2"}), _Mesh())
-    assert field_bands(build_config("vit_quickstart"), _Mesh()) is None  # the ViT's cp splits tokens
+        field_bands(build_config("quickstart", {**model, "loss": "relative_l2"}), FakeMesh())
+    assert field_bands(build_config("vit_quickstart"), FakeMesh()) is None  # the ViT's cp splits tokens

@@ -6,10 +6,10 @@
   step by step: the loss and all gradients of each step and all weights after 3 AdamW steps equal one
   process (tests/mp_layouts.py, one 4-process launch). The same check run on cp ranks whose
   gradients are averaged over dp only (NERSC DL4SCI25's final-norm bug) must fail.
-- train_mp.py end to end: SwinIR's tp 2 reproduces train.py's losses and weights, and its checkpoint resumes
-  with each field split into 2 bands (cp 2) to train.py's losses, validation metrics and weights; the ViT's tp 2 reproduces
-  train.py's losses, weights, Adam moments and validation
-  metrics; its DCP checkpoint resumes under cp 2 (with activation checkpointing) to the same weights.
+- train_mp.py end to end: SwinIR's tp 2 reproduces train.py's losses and weights, and its checkpoint
+  resumes with each field split into 2 bands (cp 2) to train.py's losses, validation metrics and
+  weights; the ViT's tp 2 reproduces train.py's losses, weights, Adam moments and validation metrics;
+  its DCP checkpoint resumes under cp 2 (with activation checkpointing) to the same weights.
 - Bad input: one line each.
 """
 
@@ -22,8 +22,8 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import (REFERENCE_STEPS, REPO, VIT_STEPS, read_metrics, resume_from, run_script, tiny_args,
-                            vit_args, weights_at)
+from tests.conftest import (FakeMesh, REFERENCE_STEPS, REPO, VIT_STEPS, read_metrics, resume_from, run_script,
+                            tiny_args, vit_args, weights_at)
 from tests.test_ddp import assert_same_weights, train_losses
 from tests.test_fsdp import exported
 from tests.test_vit_training import assert_equals_single_device, val_records
@@ -147,16 +147,11 @@ def test_mesh_layout_and_its_errors():
         band_rows(3, 4)
 
 
-class _Mesh:  # what apply_tp / apply_cp read of a 1-D mesh before they need a process group
-    def size(self):
-        return 2
-
-
 def test_models_without_a_plan_are_refused():
     with pytest.raises(ConfigError, match="no tensor-parallel plan for Linear"):
-        apply_tp(torch.nn.Linear(2, 2), _Mesh())
+        apply_tp(torch.nn.Linear(2, 2), FakeMesh())
     with pytest.raises(ConfigError, match="splits the ViT's tokens or SwinIR's fields; Linear has no plan"):
-        apply_cp(torch.nn.Linear(2, 2), _Mesh())
+        apply_cp(torch.nn.Linear(2, 2), FakeMesh())
 
 
 def test_hsdp_is_train_fsdp_only():
@@ -164,7 +159,7 @@ def test_hsdp_is_train_fsdp_only():
 
     cfg = build_config("vit_quickstart", {"hsdp_replicas": 2})
     with pytest.raises(ConfigError, match="hsdp_replicas 2 is train_fsdp.py's"):
-        apply_fsdp(torch.nn.Linear(2, 2), cfg, torch.device("cpu"), mesh=_Mesh())
+        apply_fsdp(torch.nn.Linear(2, 2), cfg, torch.device("cpu"), mesh=FakeMesh())
 
 
 def test_bad_layout_on_the_command_line_is_one_line(vit_data, tmp_path, monkeypatch, capsys):

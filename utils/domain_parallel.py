@@ -223,7 +223,8 @@ def _halo_conv(conv: nn.Conv2d, bands: FieldBands) -> None:
     rows = conv.padding[0]
     if not rows:
         return
-    if conv.stride[0] != 1 or conv.dilation[0] != 1 or conv.padding_mode != "zeros" or conv.kernel_size[0] != 2 * rows + 1:
+    same = conv.stride[0] == 1 and conv.dilation[0] == 1 and conv.kernel_size[0] == 2 * rows + 1
+    if not same or conv.padding_mode != "zeros":
         raise ConfigError(f"domain parallelism has no halo for {conv}: only stride-1 'same' convolutions")
     conv.padding = (0, conv.padding[1])  # the rows come from the halo (zeros at the field's edges)
     # prepend: on the plain input, before tensor parallelism's own hook makes it a (replicated) DTensor.
@@ -247,8 +248,8 @@ def apply_domain_parallel(model: nn.Module, cp_mesh) -> nn.Module:
             _halo_conv(module, bands)
     for block in model.swin_blocks():
         if block.window_size != model.window_size:
-            raise ConfigError(f"img_size {model.patches_resolution} is not larger than window_size {model.window_size}; "
-                              "domain parallelism needs whole windows: use a larger img_size")
+            raise ConfigError(f"img_size {model.patches_resolution} is not larger than window_size "
+                              f"{model.window_size}; domain parallelism needs whole windows: use a larger img_size")
         if block.shift_size:
             block.roll = functools.partial(_band_roll, bands)
             block.attention_mask = functools.partial(_band_mask, block, bands)
