@@ -53,7 +53,7 @@ def main():
     # ------------------------------------------------------------------------------------------ Model
     raw_model = build_model(cfg.model).to(device)
     model = apply_ac(raw_model, tcfg.ac)
-    model = apply_compile(model, tcfg.compile, tcfg.compile_backend)
+    model = apply_compile(model, tcfg.compile, tcfg.compile_backend, tcfg.cuda_graphs)
     model = apply_fsdp(model, cfg, device)  # in place: raw_model is model, sharded
     input_shape = tuple(val_loader.dataset[0][0].shape)
     flops_per_sample = train_flops_per_sample(lambda: build_model(cfg.model), input_shape)

@@ -73,7 +73,7 @@ def main():
     model = apply_tp(raw_model, mesh["tp"])  # parameters -> DTensors on the tp ranks
     model = apply_cp(model, mesh["cp"])  # hooks: one band of tokens per cp rank
     model = apply_ac(model, tcfg.ac)
-    model = apply_compile(model, tcfg.compile, tcfg.compile_backend)
+    model = apply_compile(model, tcfg.compile, tcfg.compile_backend, tcfg.cuda_graphs)
     model = apply_fsdp(model, cfg, device, dp_cp_mesh)  # in place: raw_model is model, sharded over dp x cp
     input_shape = tuple(val_loader.dataset[0][0].shape)
     flops_per_sample = train_flops_per_sample(lambda: build_model(cfg.model), input_shape)

@@ -54,7 +54,7 @@ def main():
     # ------------------------------------------------------------------------------------------ Model
     raw_model = build_model(cfg.model).to(device)
     model = apply_ac(raw_model, tcfg.ac)
-    model = apply_compile(model, tcfg.compile, tcfg.compile_backend)
+    model = apply_compile(model, tcfg.compile, tcfg.compile_backend, tcfg.cuda_graphs)
     input_shape = tuple(val_loader.dataset[0][0].shape)
     flops_per_sample = train_flops_per_sample(lambda: build_model(cfg.model), input_shape)
     peak_flops = device_peak_flops(device, tcfg.amp_dtype)

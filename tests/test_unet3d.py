@@ -112,9 +112,12 @@ def unet_config(data_dir, **overrides):
                                               "crop_size": 16, "widths": [4, 8], "train_samples": 16, **overrides})
 
 
-def test_device_augmentation_gives_the_host_batches(volume_data):
+@pytest.mark.parametrize("keys", [{"augment": "device"}, {"device_transforms": True, "prefetch_to_device": True}],
+                         ids=["augment_device", "device_transforms+prefetch"])
+def test_device_augmentation_gives_the_host_batches(volume_data, keys):
     host, _ = build_loaders(unet_config(volume_data, augment="host"))
-    device, _ = build_loaders(unet_config(volume_data, augment="device"))  # on CPU: the same kernels, after the copy
+    device, _ = build_loaders(unet_config(volume_data, **keys))  # on CPU: the same kernels, after the copy
+    assert device.dataset.augment == "device"  # device_transforms moves the host augmentation there
     for epoch in (0, 1):
         for loader in (host, device):
             loader.sampler.set_epoch(epoch)

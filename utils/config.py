@@ -75,6 +75,13 @@ class DataConfig:
     crops (0 = the crops that tile the box, every voxel once)."""
     val_batch_size: int = 0
     """Validation batch size per rank; 0 = the training batch size per rank."""
+    device_transforms: bool = False
+    """Move the input pipeline's work onto the training device (Step 0c): sr, the loader hands out high-res fields
+    only and the low-res input is downsampled on the device, one batch at a time; volume, the host augmentation
+    runs there (as augment device); forecast, nothing to move (the normalisation is inside the model already)."""
+    prefetch_to_device: bool = False
+    """Copy the next training batch to the GPU on a side CUDA stream while the current step computes (with
+    pin_memory the copy overlaps the step); on a CPU the batches pass through unchanged."""
     augment: Literal["none", "host", "device"] = "host"
     """volume: each training crop turned by one of the cube's 48 rotations and reflections, the same for input and
     target, in the loader (host, SC22's PyTorch loader) or after the copy to the device (device, SC22's DALI)."""
@@ -159,6 +166,12 @@ class TrainConfig:
     """torch.compile each block (Swin or ViT block)."""
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
     """torch.compile backend: inductor generates kernels; aot_eager and eager only trace (for debugging)."""
+    fused_optimizer: bool = True
+    """AdamW's fused implementation (one kernel for all parameters, on CUDA and CPU); false: torch's default
+    (for-each kernels on CUDA, a loop over parameters on CPU)."""
+    cuda_graphs: bool = False
+    """With compile: torch.compile's reduce-overhead mode, which records each compiled block's kernels once as a
+    CUDA graph and replays them, saving the per-kernel launch cost (CUDA only)."""
     tf32: bool = True
     """Allow TF32 matmuls/convolutions on CUDA (no effect on CPU)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -462,6 +475,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"channel_names has {len(d.channel_names)} names but {key} is {named}")
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
         raise ConfigError(f"betas must be two numbers in [0, 1), got {t.betas}")
+    if t.cuda_graphs and not (t.compile and t.compile_backend == "inductor"):
+        raise ConfigError("cuda_graphs replays what torch.compile's inductor captured: add --compile true "
+                          "--compile_backend inductor (or drop --cuda_graphs)")
     if t.lr <= 0:
         raise ConfigError(f"lr must be > 0, got {t.lr}")
 

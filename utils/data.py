@@ -239,11 +239,13 @@ class ERA5Dataset(Dataset):
     ``read="whole"`` reads the whole day and then crops, as SuperBench; only for benchmarks.
     ``bands`` (task "sr", domain parallelism: utils/domain_parallel.py): return only this rank's band of
     rows of each pair, reading only those rows and the two the bicubic downsampling reaches beyond them.
+    ``highres_only`` (task "sr", device_transforms): items are ``(high-res,)``; the training loop's device makes
+    the low-res input (utils/device_pipeline.py).
     """
 
     def __init__(self, split_dir, task: str = "sr", upscale: int = 2, crop_size: int = 128, n_patches: int = 8,
                  seed: int = 0, train: bool = True, read: str = "hyperslab", lead: int = 1,
-                 channels: Optional[int] = None, bands=None):
+                 channels: Optional[int] = None, bands=None, highres_only: bool = False):
         if task not in TASKS:
             raise DataError(f"task {task!r} is not one of {', '.join(TASKS)}")
         if read not in READ_MODES:
@@ -260,6 +262,10 @@ class ERA5Dataset(Dataset):
         if bands is not None and task != "sr":
             raise DataError(f"bands of a field are for task 'sr' (SwinIR's domain parallelism), not {task!r}")
         self.bands = None if bands is None else bands.layout()  # picklable: no process group
+        if highres_only and (task != "sr" or bands is not None):
+            raise DataError("highres_only (device_transforms) is for task 'sr' on whole samples; bands of a field need "
+                            "the rows beyond them for the downsampling: set device_transforms false with cp > 1")
+        self.highres_only = highres_only
         self.height = self.files[0].height - 1  # SuperBench drops the last latitude row (721 -> 720)
         self.width = self.files[0].width
         self._check_geometry()
@@ -379,6 +385,8 @@ class ERA5Dataset(Dataset):
         if self.bands is not None:
             return self._band_pair(file, day, row, col)
         x = self.read_field(file, day, row, col)
+        if self.highres_only:
+            return (x,)
         if self.task == "forecast":
             return x, self.read_field(file, day + self.lead, row, col)
         return bicubic_downsample(x, self.upscale), x
@@ -638,7 +646,15 @@ def build_loaders(cfg, rank: int = 0, world_size: int = 1, bands=None) -> tuple[
     per_rank = global_batch // world_size
     common = dict(task=d.task, upscale=cfg.model.upscale, crop_size=d.crop_size, n_patches=d.n_patches, seed=seed,
                   lead=d.lead, channels=cfg.model.in_chans, bands=bands)
-    train_set = evenly_spaced(ERA5Dataset(root / d.train_split, train=True, **common), d.train_samples, _SubsetWithEpoch)
+    from utils.config import ConfigError
+    from utils.device_pipeline import on_device
+
+    highres_only = d.device_transforms and d.task == "sr"  # else nothing to move (forecast: normalised in the model)
+    if highres_only and bands is not None:
+        raise ConfigError("device_transforms downsamples whole fields on the device; a band needs the rows beyond it "
+                          "(cp > 1): set --device_transforms false")
+    train_set = evenly_spaced(ERA5Dataset(root / d.train_split, train=True, highres_only=highres_only, **common),
+                              d.train_samples, _SubsetWithEpoch)
     valid_set = evenly_spaced(ERA5Dataset(root / d.valid_split, train=False, **common), d.val_samples)
     workers = dict(num_workers=d.num_workers, pin_memory=d.pin_memory, persistent_workers=d.persistent_workers,
                    prefetch_factor=d.prefetch_factor)
@@ -651,7 +667,9 @@ def build_loaders(cfg, rank: int = 0, world_size: int = 1, bands=None) -> tuple[
         )
     valid_loader = build_dataloader(valid_set, d.val_batch_size or per_rank, shuffle=False, seed=seed, rank=rank,
                                     world_size=world_size, drop_last=False, **workers)
-    return train_loader, valid_loader
+    upscale = cfg.model.upscale
+    downsample = (lambda moved, host: (bicubic_downsample(moved[0], upscale), moved[0])) if highres_only else None
+    return on_device(train_loader, cfg, downsample), valid_loader
 
 
 class _SubsetWithEpoch(Subset):

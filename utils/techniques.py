@@ -49,7 +49,7 @@ def apply_ac(model: nn.Module, mode: str) -> nn.Module:
     return model
 
 
-def apply_compile(model: nn.Module, enabled: bool, backend: str = "inductor") -> nn.Module:
+def apply_compile(model: nn.Module, enabled: bool, backend: str = "inductor", cuda_graphs: bool = False) -> nn.Module:
     """torch.compile each block in place (``Module.compile``).
 
     Blocks share one code object, but dynamo specialises on their constants (SwinIR's shift, the
@@ -57,9 +57,16 @@ def apply_compile(model: nn.Module, enabled: bool, backend: str = "inductor") ->
     per distinct block. The recompile limit is raised to that count: at the default (8) the
     tutorial's 36 Swin blocks would silently run 28 of them eagerly. In-place compilation keeps
     parameter names free of ``_orig_mod.``.
+
+    ``cuda_graphs``: inductor's reduce-overhead mode records each block's forward and backward kernels
+    as CUDA graphs and replays them, one launch instead of hundreds: what small per-GPU batches need,
+    where the CPU cannot queue kernels as fast as the GPU runs them.
     """
     if not enabled:
         return model
+    if cuda_graphs and not all(p.is_cuda for p in model.parameters()):
+        raise ConfigError("cuda_graphs records CUDA kernels; this model is not on a CUDA device: drop --cuda_graphs "
+                          "(or run on a GPU)")
     blocks = list(model.blocks())
     variants = {(getattr(block, "shift_size", 0), getattr(getattr(block, "drop_path", None), "drop_prob", 0.0),
                  tuple(p.shape for p in block.parameters())) for block in blocks}
@@ -67,7 +74,7 @@ def apply_compile(model: nn.Module, enabled: bool, backend: str = "inductor") ->
     # low-precision input (the U-Net's first block takes the fp32 crop, the others bf16 activations).
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(variants))
     for block in blocks:
-        block.compile(backend=backend)
+        block.compile(backend=backend, mode="reduce-overhead" if cuda_graphs else None)
     return model
 
 

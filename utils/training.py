@@ -145,7 +145,8 @@ def build_optimizer(model: nn.Module, cfg: Config, steps_per_epoch: int, device:
         lr=scaled_lr(cfg),
         betas=tuple(cfg.train.betas),
         weight_decay=cfg.train.weight_decay,
-        fused=device.type in ("cuda", "cpu"),  # one kernel for all parameters (CPU: ~3x faster step, measured)
+        # One kernel for all parameters (CPU: ~3x faster optimizer step, measured); None = torch's default.
+        fused=(device.type in ("cuda", "cpu")) if cfg.train.fused_optimizer else None,
     )
     warmup, gamma, cosine = cfg.dist.warmup_steps, cfg.train.lr_gamma, cfg.train.lr_schedule == "cosine"
     decay_steps = max(total_steps(cfg, steps_per_epoch) - warmup, 1)

@@ -35,7 +35,7 @@ import torch
 from torch.utils.data import Dataset
 
 from utils.data import DataError, _h5_reason, _open_h5, _relative_note, build_dataloader, stable_hash
-from utils.distributed import device_for, read_dist_env
+from utils.device_pipeline import on_device
 
 INPUT_KEY, TARGET_KEY = "Nbody", "Hydro"  # SC22's dataset names
 NAMES_ATTR, VECTORS_ATTR, MEAN_ATTR = "channels", "vectors", "mean"
@@ -172,7 +172,8 @@ class VolumeDataset(Dataset):
 
     Length: ``samples`` crops, or with 0 the ``(side // crop_size)³`` crops that tile the box (validation
     then reads exactly those, every voxel once). ``augment``: "none", "host" (the symmetry is applied
-    here) or "device" (items are ``(input, target, code)``: :class:`DeviceAugmentedLoader` applies it).
+    here) or "device" (items are ``(input, target, code)``: the training loader's
+    device-side transform applies it: utils/device_pipeline.py).
     Validation (``train=False``) never augments.
     """
 
@@ -272,31 +273,6 @@ class VolumeDataset(Dataset):
                 f"{where}, augment {self.augment})")
 
 
-class DeviceAugmentedLoader:
-    """A training DataLoader whose batches are copied to ``device`` and turned there (``augment: device``).
-
-    Everything but iteration is the wrapped loader's (``sampler``, ``dataset``, ``len``, ``num_workers``),
-    so the training scripts and the throughput breakdown treat it as any loader. The symmetry codes come
-    with the batch from the workers, on the host: choosing the kernels needs no device synchronisation.
-    """
-
-    def __init__(self, loader, device: torch.device, vectors: dict):
-        self.loader, self.device, self.vectors = loader, device, vectors
-
-    def __iter__(self):
-        for inputs, target, codes in self.loader:
-            codes = codes.tolist()
-            inputs = apply_symmetries(inputs.to(self.device, non_blocking=True), codes, self.vectors[INPUT_KEY])
-            target = apply_symmetries(target.to(self.device, non_blocking=True), codes, self.vectors[TARGET_KEY])
-            yield inputs, target
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __getattr__(self, name: str):
-        return getattr(self.loader, name)
-
-
 # ---------------------------------------------------------------------------------------------------
 # What the config takes from the data, and the loaders
 # ---------------------------------------------------------------------------------------------------
@@ -344,14 +320,6 @@ def target_mean(cfg, tiles: int = 8) -> list[float]:
     return (sums / len(picks)).tolist()
 
 
-def _training_device(cfg) -> torch.device:
-    """The device the training script picks (utils.training.pick_device, init_distributed): where ``augment:
-    device`` puts the batches."""
-    if cfg.train.device == "cpu" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return device_for(read_dist_env())
-
-
 def build_volume_loaders(cfg, rank: int = 0, world_size: int = 1):
     """(train, validation) loaders of this rank for task volume (utils.data.build_loaders' contract)."""
     d, seed, global_batch = cfg.data, cfg.train.seed, cfg.train.batch_size
@@ -361,7 +329,8 @@ def build_volume_loaders(cfg, rank: int = 0, world_size: int = 1):
                         f"ranks; use a multiple of {world_size}")
     per_rank = global_batch // world_size
     channels = dict(in_chans=cfg.model.in_chans, out_chans=cfg.model.out_chans)
-    train_set = VolumeDataset(train_file.path, d.crop_size, d.train_samples, seed, True, d.augment, **channels)
+    augment = "device" if d.device_transforms and d.augment == "host" else d.augment
+    train_set = VolumeDataset(train_file.path, d.crop_size, d.train_samples, seed, True, augment, **channels)
     valid_set = VolumeDataset(split_path(d.data_dir, d.valid_split), d.crop_size, d.val_samples, seed, False, **channels)
     workers = dict(num_workers=d.num_workers, pin_memory=d.pin_memory, persistent_workers=d.persistent_workers,
                    prefetch_factor=d.prefetch_factor)
@@ -370,8 +339,13 @@ def build_volume_loaders(cfg, rank: int = 0, world_size: int = 1):
     if len(train_loader) == 0:
         raise DataError(f"{train_file.path}: {len(train_set)} training crops per epoch make no full batch of "
                         f"{global_batch} over {world_size} rank(s); raise train_samples or lower batch_size")
-    if d.augment == "device":
-        train_loader = DeviceAugmentedLoader(train_loader, _training_device(cfg), train_file.vectors)
+    def turn(moved, host):  # the codes stayed on the host: choosing the kernels needs no device synchronisation
+        codes, vectors = host[0].tolist(), train_file.vectors
+        return (apply_symmetries(moved[0], codes, vectors[INPUT_KEY]),
+                apply_symmetries(moved[1], codes, vectors[TARGET_KEY]))
+
+    on = augment == "device"
+    train_loader = on_device(train_loader, cfg, turn if on else None, host_fields=1 if on else 0)
     valid_loader = build_dataloader(valid_set, d.val_batch_size or per_rank, shuffle=False, seed=seed, rank=rank,
                                     world_size=world_size, drop_last=False, **workers)
     return train_loader, valid_loader
