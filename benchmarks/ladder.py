@@ -94,7 +94,8 @@ class Result:
 def run_rung(args: list[str]) -> list[dict]:
     """train_with_profiling.py with ``args`` in a fresh process (its own peak memory, no compile cache in
     memory); its metrics.jsonl records."""
-    proc = subprocess.run([sys.executable, "train_with_profiling.py", *args], cwd=REPO, stdout=subprocess.DEVNULL,
+    # From the caller's folder, as the user would run it: relative data and run folders mean the same.
+    proc = subprocess.run([sys.executable, str(REPO / "train_with_profiling.py"), *args], stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True)
     if proc.returncode:  # the profiler's own chatter on stderr is shown only when something went wrong
         sys.stderr.write(proc.stderr[-3000:])
@@ -223,7 +224,7 @@ def main(argv: Optional[list[str]] = None, runner: Callable[[list[str]], list[di
     bad = [a for a in extra if a.startswith("--") and a[2:] not in KEYS and a[2:] != "config"]
     if bad:
         parser.error(f"unknown config key(s) after --: {', '.join(bad)} (python train.py --help lists them)")
-    out = Path(args.out or REPO / "runs" / f"ladder_{args.config}")
+    out = Path(args.out or f"runs/ladder_{args.config}")
     out.mkdir(parents=True, exist_ok=True)
 
     device, cuda = device_name()

@@ -92,9 +92,12 @@ CPU_RUN = {
         "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 2",
     "torchrun --standalone --nproc-per-node 2 train_mp.py --config quickstart --cp 2 --run_dir runs/quickstart_cp2":
         "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 2",
+    # docs/performance.md (the rungs' own keys may not follow --: no --num_workers here)
+    "python benchmarks/ladder.py --config quickstart":
+        f"... --steps 2 --breakdown-steps 1 --rungs baseline -- {TINY} --crop_size 32 --n_patches 2 --val_samples 2",
 }
 CPU_RUN = {shlex.join(shlex.split(key)): value for key, value in CPU_RUN.items()}  # as the pages' commands
-TRAINS = re.compile(r"\btrain\w*\.py\b|\btorchrun\b|bench_ddp_overhead")
+TRAINS = re.compile(r"\btrain\w*\.py\b|\btorchrun\b|bench_ddp_overhead|benchmarks/ladder")
 
 # Output lines are compared by shape: these rules, in order, replace what differs between runs.
 SHAPE_RULES = [
@@ -516,6 +519,8 @@ def parse_project_arguments(launch: Launch):
         cfg = parse_config("", [a for a in args.train_args if a != "--"])
         launch.ranks = args.nproc
         return cfg
+    if launch.script == "benchmarks/ladder.py":  # its config and the arguments after -- make every rung's run
+        return parse_config("", ["--config", args.config, *(a for a in args.train_args if a != "--")])
     return args
 
 
