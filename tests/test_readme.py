@@ -75,6 +75,10 @@ CPU_RUN = {
         "... --max_steps 2 --val_every 2 --val_samples 2",
     "python -m utils.fsdp export runs/quickstart_fsdp/checkpoints/step_00001200 runs/quickstart_fsdp/step_1200.pt":
         "python -m utils.fsdp export runs/quickstart_fsdp/checkpoints/step_00000002 runs/quickstart_fsdp/step_2.pt",
+    # docs/performance.md: 1 and 2 ranks of the tiny SwinIR, one timed step per variant
+    "python benchmarks/scaling.py --sizes 1 2 4 --steps 3 --bucket-caps 0.01 0.05 -- --config quickstart":
+        "python benchmarks/scaling.py --sizes 1 2 --steps 1 --rounds 1 --bucket-caps 0.01 0.05 --out {ws}/runs/scaling "
+        f"-- --config quickstart --data_dir {{ws}}/datasets/synthetic_small {TINY} {CROPS}",
     # docs/part2-vit.md
     "python train.py --config vit_quickstart":
         "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 4 --batch_size 4",
