@@ -96,12 +96,18 @@ CPU_RUN = {
         "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 2",
     "torchrun --standalone --nproc-per-node 2 train_mp.py --config quickstart --cp 2 --run_dir runs/quickstart_cp2":
         "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 2",
-    # docs/performance.md (the rungs' own keys may not follow --: no --num_workers here)
+    # docs/performance.md (the ladder's rungs' own keys may not follow --: no --num_workers here)
     "python benchmarks/ladder.py --config quickstart":
         f"... --steps 2 --breakdown-steps 1 --rungs baseline -- {TINY} --crop_size 32 --n_patches 2 --val_samples 2",
+    # convergence: one run each (the base batch), 2 validations
+    "python benchmarks/convergence.py":
+        "... --batches 2 --samples 4 --val_every_samples 2 -- --val_samples 2",
+    "python benchmarks/convergence.py --config vit_quickstart":
+        "python benchmarks/convergence.py --config vit_quickstart --batches 4 --base_batch 4 --samples 8 "
+        "--val_every_samples 4 -- --val_samples 4",
 }
 CPU_RUN = {shlex.join(shlex.split(key)): value for key, value in CPU_RUN.items()}  # as the pages' commands
-TRAINS = re.compile(r"\btrain\w*\.py\b|\btorchrun\b|bench_ddp_overhead|benchmarks/ladder")
+TRAINS = re.compile(r"\btrain\w*\.py\b|\btorchrun\b|bench_ddp_overhead|benchmarks/ladder|convergence\.py")
 
 # Output lines are compared by shape: these rules, in order, replace what differs between runs.
 SHAPE_RULES = [

@@ -20,6 +20,7 @@ import ast
 import dataclasses
 import inspect
 import json
+import math
 import sys
 import textwrap
 import typing
@@ -195,11 +196,12 @@ class TrainConfig:
 @dataclass
 class DistConfig:
     lr_scaling: Literal["none", "sqrt", "linear"] = "none"
-    """Scale lr with batch_size / base_batch_size (none keeps lr as given)."""
+    """Scale lr with k = batch_size / base_batch_size: linear x k (Goyal et al. 2017), sqrt x sqrt(k) (Krizhevsky 2014,
+    Hoffer et al. 2017; NERSC's tutorials), none keeps lr as given (docs/performance.md, Large-batch convergence)."""
     base_batch_size: int = 16
     """Batch size that lr was tuned for (used by lr_scaling)."""
     warmup_steps: int = 0
-    """Linear learning-rate warm-up steps (0 = none)."""
+    """Linear learning-rate warm-up steps: step i (from 0) uses (i + 1) / warmup_steps of the lr (0 = none)."""
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size in MiB."""
     broadcast_buffers: bool = False
@@ -480,6 +482,9 @@ def validate(cfg: Config) -> None:
                           "--compile_backend inductor (or drop --cuda_graphs)")
     if t.lr <= 0:
         raise ConfigError(f"lr must be > 0, got {t.lr}")
+    if cfg.dist.base_batch_size <= 0 or cfg.dist.warmup_steps < 0:
+        raise ConfigError(f"base_batch_size must be > 0 and warmup_steps >= 0, got {cfg.dist.base_batch_size} and "
+                          f"{cfg.dist.warmup_steps}")
 
 
 def _validate_unet3d(cfg: Config) -> None:
@@ -503,6 +508,13 @@ def _validate_unet3d(cfg: Config) -> None:
     if t.loss != "l1" or t.loss_space != "physical":
         raise ConfigError(f"the U-Net trains with SC22's L1 loss on the stored (already scaled) fields: set loss l1 and "
                           f"loss_space physical, not {t.loss} / {t.loss_space}")
+
+
+def lr_scale(rule: str, batch_size: int, base_batch_size: int) -> float:
+    """The factor lr_scaling ``rule`` applies to lr at global ``batch_size`` (a pure function: benchmarks and tests
+    compute the lr of a run without building it)."""
+    ratio = batch_size / base_batch_size
+    return {"none": 1.0, "sqrt": math.sqrt(ratio), "linear": ratio}[rule]
 
 
 def img_hw(model_cfg: ModelConfig) -> tuple[int, int]:

@@ -24,7 +24,7 @@ from torch import nn
 
 from utils.checkpoint import (CheckpointError, StorageError, capture_rng_state, restore_rng_state,
                               strip_wrapper_prefixes)
-from utils.config import Config, ConfigError
+from utils.config import Config, ConfigError, lr_scale
 from utils.data import STEP_STREAM, DataError, stable_hash
 from utils.distributed import DistEnv, device_for, read_dist_env
 
@@ -128,9 +128,7 @@ def build_loss(cfg: Config) -> Callable[[torch.Tensor, torch.Tensor], torch.Tens
 
 def scaled_lr(cfg: Config) -> float:
     """lr for the global batch_size under the lr_scaling rule (NERSC tutorials: sqrt or linear)."""
-    ratio = cfg.train.batch_size / cfg.dist.base_batch_size
-    factor = {"none": 1.0, "sqrt": math.sqrt(ratio), "linear": ratio}[cfg.dist.lr_scaling]
-    return cfg.train.lr * factor
+    return cfg.train.lr * lr_scale(cfg.dist.lr_scaling, cfg.train.batch_size, cfg.dist.base_batch_size)
 
 
 def build_optimizer(model: nn.Module, cfg: Config, steps_per_epoch: int, device: torch.device):
