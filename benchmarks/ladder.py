@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import os
 import subprocess
 import sys
 import tempfile
+import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -153,20 +155,40 @@ def climb(config: str, steps: int, breakdown_steps: int, workers: int, lacks: di
     return results
 
 
+def combine(climbs: list[list[Result]]) -> list[Result]:
+    """Several climbs as one: per rung the median of each rate, the largest peak, every FULL figure kept
+    (``extra["runs"]``) and their spread, (largest - smallest) / median."""
+    combined = []
+    for same in zip(*climbs):
+        first = same[0]
+        if first.samples_per_sec is None:
+            combined.append(first)
+            continue
+        full = [r.samples_per_sec for r in same]
+        median = statistics.median(full)
+        combined.append(Result(first.rung, first.what, first.keys, samples_per_sec=median,
+                               synthetic_samples_per_sec=statistics.median(r.synthetic_samples_per_sec for r in same),
+                               peak_mem_gb=max(r.peak_mem_gb for r in same),
+                               extra={"io_samples_per_sec": statistics.median(r.extra["io_samples_per_sec"] for r in same),
+                                      "runs": full, "spread": (max(full) - min(full)) / median}))
+    return combined
+
+
 def format_table(results: list[Result]) -> str:
     measured = [r for r in results if r.samples_per_sec is not None]
     base = measured[0].samples_per_sec
-    lines = [f"{'rung':<16}{'samples/s':>10}{'x base':>8}{'x prev':>8}{'peak GB':>9}{'loader':>8}  what"]
+    lines = [f"{'rung':<16}{'samples/s':>10}{'x base':>8}{'x prev':>8}{'peak GB':>9}{'loader':>8}{'spread':>8}  what"]
     previous = None
     for r in results:
         if r.samples_per_sec is None:
-            lines.append(f"{r.rung:<16}{'-':>10}{'':>8}{'':>8}{'':>9}{'':>8}  skipped: {r.skipped}")
+            lines.append(f"{r.rung:<16}{'-':>10}{'':>8}{'':>8}{'':>9}{'':>8}{'':>8}  skipped: {r.skipped}")
             continue
         step_up = f"{r.samples_per_sec / previous:>8.2f}" if previous else f"{'':>8}"
         lines.append(f"{r.rung:<16}{r.samples_per_sec:>10.2f}{r.samples_per_sec / base:>8.2f}{step_up}"
-                     f"{r.peak_mem_gb:>9.2f}{r.loader_share:>8.0%}  {r.what}")
+                     f"{r.peak_mem_gb:>9.2f}{r.loader_share:>8.0%}{r.extra.get('spread', 0):>8.0%}  {r.what}")
         previous = r.samples_per_sec
-    lines.append("loader = 1 - FULL / SYNTHETIC: the share of the step's own speed that loading still costs")
+    lines.append("loader = 1 - FULL / SYNTHETIC: the share of the step's own speed that loading still costs; "
+                 "spread = (fastest - slowest) / median over the repeats: differences below it are noise")
     return "\n".join(lines)
 
 
@@ -185,7 +207,7 @@ def plot(results: list[Result], title: str, path: Path) -> None:
         label = f"{r.samples_per_sec / base:.2f}x" if r.samples_per_sec else "skipped"
         ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("samples/s (FULL)")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(textwrap.fill(title, 100), fontsize=8)
     ax.tick_params(axis="x", labelrotation=20, labelsize=8)
     ax.margins(y=0.15)
     fig.tight_layout()
@@ -206,6 +228,8 @@ def main(argv: Optional[list[str]] = None, runner: Callable[[list[str]], list[di
     parser.add_argument("--breakdown-steps", type=int, default=30, help="timed steps per phase (FULL, SYNTHETIC)")
     parser.add_argument("--workers", type=int, default=min(4, max(1, (os.cpu_count() or 2) - 1)),
                         help="loader workers from the workers rung on (default: 4, or one fewer than the cores)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="climbs, one after the other; each rung's figure is the median (a shared machine drifts)")
     parser.add_argument("--rungs", nargs="+", default=None, metavar="RUNG",
                         help="measure only these rungs (the baseline always runs; the keys of skipped rungs still add up)")
     parser.add_argument("--out", default=None, help="folder for ladder.json and ladder.png (default: runs/ladder_CONFIG)")
@@ -213,8 +237,9 @@ def main(argv: Optional[list[str]] = None, runner: Callable[[list[str]], list[di
     args = parser.parse_args(argv)
     extra = [a for a in args.train_args if a != "--"]
     names = [r.name for r in rungs(1)]
-    if args.steps < 2 or args.breakdown_steps < 1 or args.workers < 1:
-        parser.error("--steps must be >= 2 (one profiler warm-up step, one traced), --breakdown-steps and --workers >= 1")
+    if args.steps < 2 or args.breakdown_steps < 1 or args.workers < 1 or args.repeats < 1:
+        parser.error("--steps must be >= 2 (one profiler warm-up step, one traced), --breakdown-steps, --workers and "
+                     "--repeats >= 1")
     unknown = [r for r in args.rungs or [] if r not in names]
     if unknown:
         parser.error(f"unknown rung(s) {', '.join(unknown)}; rungs: {', '.join(repr(n) for n in names)}")
@@ -229,18 +254,19 @@ def main(argv: Optional[list[str]] = None, runner: Callable[[list[str]], list[di
 
     device, cuda = device_name()
     try:
-        results = climb(args.config, args.steps, args.breakdown_steps, args.workers, missing(cuda), extra, args.rungs,
-                        runner)
+        results = combine([climb(args.config, args.steps, args.breakdown_steps, args.workers, missing(cuda), extra,
+                                 args.rungs, runner) for _ in range(args.repeats)])
     except subprocess.CalledProcessError as error:
         print(f"error: a rung's run exited {error.returncode} (its message is above); nothing written", file=sys.stderr)
         return 1
-    title = (f"ladder: --config {args.config} {' '.join(extra)} on {device}; {args.steps} steps, then "
-             f"{args.breakdown_steps} timed per phase")
+    title = (f"ladder: --config {args.config} {' '.join(extra)}".rstrip() + f" on {device}; {args.steps} steps, then "
+             f"{args.breakdown_steps} timed per phase; median of {args.repeats} climb(s)")
     print(title)
     print(format_table(results))
     (out / "ladder.json").write_text(json.dumps(
         {"config": args.config, "device": device, "steps": args.steps, "breakdown_steps": args.breakdown_steps,
-         "train_args": extra, "rungs": [{**asdict(r), "loader_share": r.loader_share} for r in results]}, indent=1))
+         "repeats": args.repeats, "train_args": extra,
+        "rungs": [{**asdict(r), "loader_share": r.loader_share} for r in results]}, indent=1))
     plot(results, title, out / "ladder.png")
     print(f"wrote {out / 'ladder.json'} and {out / 'ladder.png'}")
     return 0

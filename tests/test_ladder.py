@@ -23,7 +23,7 @@ def test_the_ladder_climbs_every_cpu_rung(tiny_data, tmp_path, capsys):
     extra = ["--data_dir", str(tiny_data), "--crop_size", "32", "--n_patches", "2", "--batch_size", "4",
              "--val_samples", "4", *TINY_MODEL, "--compile_backend", "eager"]
     assert ladder.main(["--config", "quickstart", "--steps", "2", "--breakdown-steps", "2", "--workers", "1",
-                        "--out", str(tmp_path / "out"), "--", *extra], runner) == 0
+                        "--repeats", "1", "--out", str(tmp_path / "out"), "--", *extra], runner) == 0
     out = capsys.readouterr().out
     report = json.loads((tmp_path / "out" / "ladder.json").read_text())
     assert (tmp_path / "out" / "ladder.png").stat().st_size > 10_000
@@ -48,11 +48,27 @@ def test_the_ladder_climbs_every_cpu_rung(tiny_data, tmp_path, capsys):
     assert dict(zip(calls[0][::2], calls[0][1::2]))["--fused_optimizer"] == "false"
 
 
+def test_repeated_climbs_combine_into_medians_and_a_spread():
+    def climb(full, synthetic, peak):
+        return [ladder.Result("baseline", "", {}, samples_per_sec=full, synthetic_samples_per_sec=synthetic,
+                              peak_mem_gb=peak, extra={"io_samples_per_sec": 2 * full}),
+                ladder.Result("tf32", "", {}, skipped="needs CUDA")]
+
+    combined = ladder.combine([climb(10.0, 12.0, 1.0), climb(8.0, 10.0, 1.5), climb(9.0, 20.0, 1.2)])
+    base, tf32 = combined
+    assert (base.samples_per_sec, base.synthetic_samples_per_sec, base.peak_mem_gb) == (9.0, 12.0, 1.5)
+    assert base.extra == {"io_samples_per_sec": 18.0, "runs": [10.0, 8.0, 9.0], "spread": pytest.approx(2 / 9)}
+    assert base.loader_share == pytest.approx(0.25) and tf32.skipped == "needs CUDA"
+    table = ladder.format_table(combined)
+    assert "baseline" in table and "    1.00" in table and "     22%" in table and "skipped: needs CUDA" in table
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--rungs", "warp"], "unknown rung(s) warp"),
     (["--", "--amp_dtype", "bf16"], "--amp_dtype belong to the ladder's rungs"),
     (["--", "--batchsize", "4"], "unknown config key(s) after --: --batchsize"),
     (["--steps", "1"], "--steps must be >= 2"),
+    (["--repeats", "0"], "--repeats >= 1"),
 ])
 def test_bad_ladder_arguments_say_what_to_do(argv, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_:

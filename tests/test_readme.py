@@ -98,7 +98,7 @@ CPU_RUN = {
         "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 2",
     # docs/performance.md (the ladder's rungs' own keys may not follow --: no --num_workers here)
     "python benchmarks/ladder.py --config quickstart":
-        f"... --steps 2 --breakdown-steps 1 --rungs baseline -- {TINY} --crop_size 32 --n_patches 2 --val_samples 2",
+        f"... --steps 2 --breakdown-steps 1 --repeats 1 --rungs baseline -- {TINY} --crop_size 32 --n_patches 2 --val_samples 2",
     # convergence: one run each (the base batch), 2 validations
     "python benchmarks/convergence.py":
         "... --batches 2 --samples 4 --val_every_samples 2 -- --val_samples 2",
