@@ -138,11 +138,13 @@ def climb(config: str, steps: int, breakdown_steps: int, workers: int, lacks: di
     results, keys = [], {}
     for rung in rungs(workers):
         before, keys = keys, {**keys, **rung.keys}
-        if only and rung.name not in only and rung.name != "baseline":
-            continue
+        shown = not only or rung.name in only or rung.name == "baseline"
         if lacks.get(rung.needs):
-            results.append(Result(rung.name, rung.what, rung.keys, skipped=SKIP_REASONS[rung.needs]))
-            keys = before  # later rungs run without it
+            keys = before  # later rungs run without it, measured or not
+            if shown:
+                results.append(Result(rung.name, rung.what, rung.keys, skipped=SKIP_REASONS[rung.needs]))
+            continue
+        if not shown:
             continue
         print(f"rung {len(results) + 1}: {rung.name} ...", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory() as run_dir:
