@@ -646,13 +646,10 @@ def build_loaders(cfg, rank: int = 0, world_size: int = 1, bands=None) -> tuple[
     per_rank = global_batch // world_size
     common = dict(task=d.task, upscale=cfg.model.upscale, crop_size=d.crop_size, n_patches=d.n_patches, seed=seed,
                   lead=d.lead, channels=cfg.model.in_chans, bands=bands)
-    from utils.config import ConfigError
     from utils.device_pipeline import on_device
 
-    highres_only = d.device_transforms and d.task == "sr"  # else nothing to move (forecast: normalised in the model)
-    if highres_only and bands is not None:
-        raise ConfigError("device_transforms downsamples whole fields on the device; a band needs the rows beyond it "
-                          "(cp > 1): set --device_transforms false")
+    # Else nothing to move (forecast: normalised in the model); bands with it: the dataset says what to do.
+    highres_only = d.device_transforms and d.task == "sr"
     train_set = evenly_spaced(ERA5Dataset(root / d.train_split, train=True, highres_only=highres_only, **common),
                               d.train_samples, _SubsetWithEpoch)
     valid_set = evenly_spaced(ERA5Dataset(root / d.valid_split, train=False, **common), d.val_samples)

@@ -22,13 +22,11 @@ batches that are already there as they are.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional
 
 import torch
 
 from utils.distributed import device_for, read_dist_env
-
-Batch = Sequence[torch.Tensor]
 
 
 def training_device(cfg) -> torch.device:
