@@ -38,8 +38,9 @@ from utils.checkpoint import (CheckpointError, ensure_writable_dir, latest_check
 from utils.config import Config, ConfigError, build_config, load_named_configs
 from utils.data import FIELDS_KEY, DataError, ERA5Dataset, evenly_spaced, scan_split
 from utils.metrics import json_safe
+from utils.precision import autocast
 from utils.tasks import Forecast, build_task
-from utils.training import autocast, configure_backends, pick_device, run_cli
+from utils.training import configure_backends, pick_device, run_cli
 
 HOURS_ATTR = "hours_per_step"  # optional attribute of ``fields`` (the synthetic generator writes it)
 ASSUMED_HOURS = 6.0  # NERSC's ERA5 spacing

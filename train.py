@@ -20,17 +20,18 @@ import torch
 from tqdm import tqdm
 
 from models import build_model
-from utils.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, prepare_run_dir,
+from utils.checkpoint import (CheckpointError, TrainState, latest_checkpoint, load_checkpoint, prepare_run_dir,
                               save_checkpoint)
 from utils.config import parse_config
 from utils.data import build_loaders
 from utils.metrics import (MetricsLogger, device_peak_flops, mfu, peak_memory_gb, reset_peak_memory,
                            train_flops_per_sample)
+from utils.precision import autocast, make_grad_scaler
 from utils.tasks import build_task
 from utils.techniques import apply_ac, apply_compile
-from utils.training import (TrainState, autocast, build_loss, build_optimizer, check_finite, checkpoint_payload,
-                            configure_backends, make_grad_scaler, pick_device, restore_payload, run_cli,
-                            seed_everything, seed_step, show_progress, total_steps)
+from utils.training import (build_loss, build_optimizer, check_finite, checkpoint_payload, configure_backends,
+                            pick_device, restore_payload, run_cli, seed_everything, seed_step, show_progress,
+                            total_steps)
 
 
 def main():

@@ -28,23 +28,23 @@ import torch
 from tqdm import tqdm
 
 from models import build_model
-from utils.checkpoint import CheckpointError, prepare_run_dir
+from utils.checkpoint import CheckpointError, TrainState, prepare_run_dir
 from utils.config import parse_config
-from utils.data import build_loaders
 from utils.context_parallel import apply_cp
-from utils.domain_parallel import band_loss, field_bands
+from utils.data import build_loaders
 from utils.distributed import all_reduce_max, all_reduce_mean, build_mp_mesh, cleanup_distributed, init_distributed
-from utils.metrics import (MetricsLogger, device_peak_flops, mfu, peak_memory_gb, reset_peak_memory,
-                           train_flops_per_sample)
+from utils.domain_parallel import band_loss, field_bands
 from utils.fsdp import (latest_sharded_checkpoint, load_sharded_checkpoint, memory_record, save_sharded_checkpoint,
                         sharded_payload)
 from utils.memory import SavedTensorBytes
+from utils.metrics import (MetricsLogger, device_peak_flops, mfu, peak_memory_gb, reset_peak_memory,
+                           train_flops_per_sample)
+from utils.precision import autocast, make_grad_scaler
 from utils.tasks import build_task
 from utils.techniques import apply_ac, apply_compile, apply_fsdp
 from utils.tensor_parallel import apply_tp
-from utils.training import (TrainState, autocast, build_loss, build_optimizer, check_finite, configure_backends,
-                            make_grad_scaler, run_cli,
-                            seed_everything, seed_step, show_progress, total_steps)
+from utils.training import (build_loss, build_optimizer, check_finite, configure_backends, run_cli, seed_everything,
+                            seed_step, show_progress, total_steps)
 
 
 def main():

@@ -25,20 +25,20 @@ import torch
 from tqdm import tqdm
 
 from models import build_model
-from utils.checkpoint import CheckpointError, prepare_run_dir
+from utils.checkpoint import CheckpointError, TrainState, prepare_run_dir
 from utils.config import parse_config
 from utils.data import build_loaders
 from utils.distributed import all_reduce_max, all_reduce_mean, build_pp_mesh, cleanup_distributed, init_distributed
-from utils.metrics import (MetricsLogger, device_peak_flops, mfu, peak_memory_gb, reset_peak_memory,
-                           train_flops_per_sample)
 from utils.fsdp import latest_sharded_checkpoint, load_sharded_checkpoint, memory_record, save_sharded_checkpoint
 from utils.memory import SavedTensorBytes
+from utils.metrics import (MetricsLogger, device_peak_flops, mfu, peak_memory_gb, reset_peak_memory,
+                           train_flops_per_sample)
 from utils.pipeline_parallel import Pipeline, apply_data_parallel, bubble_report
+from utils.precision import make_grad_scaler
 from utils.tasks import build_task
 from utils.techniques import apply_ac, apply_compile
-from utils.training import (TrainState, build_loss, build_optimizer, check_finite, configure_backends,
-                            make_grad_scaler, run_cli,
-                            seed_everything, seed_step, show_progress, total_steps)
+from utils.training import (build_loss, build_optimizer, check_finite, configure_backends, run_cli, seed_everything,
+                            seed_step, show_progress, total_steps)
 
 
 def main():

@@ -40,11 +40,12 @@ from torch.utils.flop_counter import FlopCounterMode
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_model import DTYPES, cpu_description, matmul_peak, supports_bf16_matmul, timed_steps  # noqa: E402
+
 from models import count_parameters  # noqa: E402
 from utils.config import ConfigError, build_config  # noqa: E402
-from utils.memory import (GB, build_for_measurement, estimate_memory, loss_for,  # noqa: E402
-                          measure_training_memory, random_batch)
-from utils.training import autocast  # noqa: E402
+from utils.memory import (GB, build_for_measurement, estimate_memory, loss_for, measure_training_memory,  # noqa: E402
+                          random_batch)
+from utils.precision import autocast
 
 
 def field(text: str) -> list[int]:

@@ -47,7 +47,7 @@ from utils.checkpoint import replaced_atomically, reporting_write_failures  # no
 from utils.config import build_config  # noqa: E402
 from utils.memory import (GB, build_for_measurement, estimate_memory, measure_config,  # noqa: E402
                           measure_saved_activations, random_batch, time_training_step, trace_saved_activations)
-from utils.training import run_cli  # noqa: E402
+from utils.training import run_cli
 
 SETTINGS = {"fp32": dict(amp_dtype="none", ac="none"), "bf16": dict(amp_dtype="bf16", ac="none"),
             "bf16 + AC block": dict(amp_dtype="bf16", ac="block")}

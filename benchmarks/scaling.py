@@ -132,8 +132,9 @@ class Variant:
 
     def __init__(self, cfg, overrides: dict, batch: tuple, device, steps_per_epoch: int):
         from models import build_model
+        from utils.precision import make_grad_scaler
         from utils.techniques import apply_ac, apply_compile, apply_ddp
-        from utils.training import build_loss, build_optimizer, make_grad_scaler
+        from utils.training import build_loss, build_optimizer
 
         self.cfg = copy.deepcopy(cfg)
         for key, value in overrides.items():
@@ -152,7 +153,7 @@ class Variant:
     def step(self) -> tuple[float, float, float]:
         """One training step; seconds of forward + loss, backward (with DDP's all-reduce), optimizer."""
         from comm_check import synchronize
-        from utils.training import autocast
+        from utils.precision import autocast
 
         inputs, target = self.batch
         self.optimizer.zero_grad(set_to_none=True)

@@ -32,7 +32,7 @@ from utils.context_parallel import apply_cp  # noqa: E402
 from utils.distributed import build_mp_mesh  # noqa: E402
 from utils.techniques import apply_ac  # noqa: E402
 from utils.tensor_parallel import apply_tp  # noqa: E402
-from utils.training import relative_l2  # noqa: E402
+from utils.training import relative_l2
 
 STEPS = 3
 BATCH = 4

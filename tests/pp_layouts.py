@@ -31,7 +31,7 @@ from utils.config import build_config  # noqa: E402
 from utils.distributed import build_pp_mesh  # noqa: E402
 from utils.pipeline_parallel import Pipeline, apply_data_parallel  # noqa: E402
 from utils.techniques import apply_ac  # noqa: E402
-from utils.training import relative_l2  # noqa: E402
+from utils.training import relative_l2
 
 STEPS = 2
 BATCH = 8

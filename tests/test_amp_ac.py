@@ -11,8 +11,9 @@ from models import build_model
 from tests.conftest import TINY_MODEL, run_script
 from utils.config import build_config
 from utils.memory import SavedTensorBytes, random_batch
+from utils.precision import autocast, make_grad_scaler
 from utils.techniques import ac_units, apply_ac
-from utils.training import autocast, configure_backends, make_grad_scaler
+from utils.training import configure_backends
 
 CPU = torch.device("cpu")
 

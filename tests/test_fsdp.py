@@ -15,6 +15,7 @@ from tests.test_ddp import assert_same_weights, launch_beside_reference, train_l
 from utils.checkpoint import CheckpointError
 from utils.config import ConfigError, build_config
 
+
 def ckpt(run_dir, step: int):
     return run_dir / "checkpoints" / f"step_{step:08d}"
 
@@ -50,7 +51,8 @@ def test_two_ranks_equal_one_process(runs):
 
 def test_export_loads_into_the_plain_model_and_train_py_state(runs, tiny_data):
     from models import build_model
-    from utils.training import build_optimizer, make_grad_scaler, restore_payload
+    from utils.precision import make_grad_scaler
+    from utils.training import build_optimizer, restore_payload
 
     payload = exported(runs["fsdp"], 10)
     reference = torch.load(runs["single"] / "checkpoints" / "step_00000010.pt", weights_only=True)

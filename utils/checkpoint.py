@@ -28,6 +28,7 @@ import random
 import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -64,6 +65,18 @@ class StorageError(CheckpointError):
     """A write failed because the file system is full, over quota or failing (utils.training.run_cli: exit 4).
 
     A CheckpointError, so that code which handles a failed checkpoint write handles this one too."""
+
+
+@dataclass
+class TrainState:
+    """Where training is: enough, with the RNG states, to continue exactly."""
+
+    step: int = 0
+    """Optimizer steps taken."""
+    epoch: int = 0
+    """Current epoch."""
+    batch_in_epoch: int = 0
+    """Batches of the current epoch already consumed."""
 
 
 def ensure_writable_dir(path) -> Path:

@@ -38,14 +38,14 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from utils.checkpoint import (DCP_METADATA, SHARDED_CHECKPOINT_NAME, CheckpointError, StorageError, capture_rng_state,
-                              ensure_writable_dir, fsync_dir, replaced_atomically, restore_rng_state, write_failure)
+from utils.checkpoint import (DCP_METADATA, SHARDED_CHECKPOINT_NAME, CheckpointError, StorageError, TrainState,
+                              capture_rng_state, ensure_writable_dir, fsync_dir, replaced_atomically, restore_rng_state,
+                              write_failure)
 from utils.config import ConfigError
 from utils.distributed import barrier, ensure_process_group
+from utils.precision import DTYPES
 from utils.techniques import ac_units
-from utils.training import TrainState
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 HSDP_DIMS = ("replicate", "shard")
 CHECKPOINT_DIR = SHARDED_CHECKPOINT_NAME
 TEMP_PREFIX = ".tmp-step_"

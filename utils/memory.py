@@ -89,8 +89,8 @@ Measure — the same quantities on any device, without trusting the estimate:
 from __future__ import annotations
 
 import contextlib
-import functools
 import dataclasses
+import functools
 import math
 import time
 import weakref
@@ -1086,7 +1086,7 @@ def _loss_fn(loss):
 
 
 def _autocast(device: torch.device, amp_dtype: str):
-    from utils.training import autocast
+    from utils.precision import autocast
 
     return autocast(device, amp_dtype)
 

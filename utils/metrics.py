@@ -44,8 +44,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from utils.checkpoint import (METRICS_FILE, find_run_dir, replaced_atomically, reporting_write_failures,
-                              write_failure)
+from utils.checkpoint import METRICS_FILE, find_run_dir, replaced_atomically, reporting_write_failures, write_failure
+from utils.precision import dtype_of
 
 # --------------------------------------------------------------------------------------- logging
 
@@ -367,7 +367,6 @@ _GPU_PEAK_TFLOPS = [
     (r"\bT4\b",          8.1,   None,  None,     65.0),
 ]
 _PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
-_DTYPE_ALIASES = {"none": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _peak_cache: dict[tuple, float] = {}
 
 
@@ -452,9 +451,7 @@ def device_peak_flops(device, dtype=torch.float32, tf32: Optional[bool] = None) 
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if isinstance(dtype, str):
-        if dtype not in _DTYPE_ALIASES:
-            raise ValueError(f"unknown dtype {dtype!r}: use one of {sorted(_DTYPE_ALIASES)} or a torch.dtype")
-        dtype = _DTYPE_ALIASES[dtype]
+        dtype = dtype_of(dtype)
     precision = _precision_key(device, dtype, tf32)
     key = (str(device), precision)
     if key not in _peak_cache:

@@ -36,12 +36,12 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                                     ScheduleZBVZeroBubble)
+                                                    ScheduleZBVZeroBubble)
 
 from utils.config import ConfigError
 from utils.fsdp import sharded_payload
+from utils.precision import autocast
 from utils.techniques import apply_fsdp
-from utils.training import autocast
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
              "zbv": ScheduleZBVZeroBubble}

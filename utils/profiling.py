@@ -40,7 +40,7 @@ from torch.profiler import ProfilerActivity
 from utils.checkpoint import StorageError, find_run_dir, replaced_atomically, reporting_write_failures, write_failure
 from utils.config import Config, ConfigError, ProfileConfig
 from utils.distributed import read_dist_env
-from utils.training import autocast
+from utils.precision import autocast
 
 RANGES = ("## data ##", "## forward ##", "## backward ##", "## optimizer ##")
 """The record_function ranges of the training loop, in step order (also NVTX ranges under nsys)."""

@@ -6,7 +6,6 @@ The training step itself is written out in each script; only the objects it uses
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import os
@@ -14,7 +13,7 @@ import random
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Callable, Optional
 
 import numpy as np
@@ -22,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from utils.checkpoint import (CheckpointError, StorageError, capture_rng_state, restore_rng_state,
+from utils.checkpoint import (CheckpointError, StorageError, TrainState, capture_rng_state, restore_rng_state,
                               strip_wrapper_prefixes)
 from utils.config import Config, ConfigError, lr_scale
 from utils.data import STEP_STREAM, DataError, stable_hash
@@ -69,22 +68,6 @@ def configure_backends(cfg: Config) -> None:
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
         torch.backends.cudnn.allow_tf32 = cfg.train.tf32
-
-
-AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def autocast(device: torch.device, amp_dtype: str):
-    """Autocast context for the forward pass (a no-op context for ``amp_dtype: none``)."""
-    dtype = AMP_DTYPES[amp_dtype]
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-def make_grad_scaler(device: torch.device, amp_dtype: str) -> torch.amp.GradScaler:
-    """Loss scaling only for fp16, whose 5-bit exponent underflows small gradients; bf16 has fp32's range."""
-    return torch.amp.GradScaler(device.type, enabled=amp_dtype == "fp16")
 
 
 def relative_l2(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -159,18 +142,6 @@ def build_optimizer(model: nn.Module, cfg: Config, steps_per_epoch: int, device:
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     return optimizer, scheduler
-
-
-@dataclass
-class TrainState:
-    """Where training is: enough, with the RNG states, to continue exactly."""
-
-    step: int = 0
-    """Optimizer steps taken."""
-    epoch: int = 0
-    """Current epoch."""
-    batch_in_epoch: int = 0
-    """Batches of the current epoch already consumed."""
 
 
 def total_steps(cfg: Config, steps_per_epoch: int) -> int:
