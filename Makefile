@@ -64,7 +64,7 @@ $(VIT_DATA)/valid/2015.h5: | $(VENV)/.installed
 train-vit: $(VENV)/.installed data-vit
 	$(PY) train.py --config vit_quickstart
 
-# The U-Net quickstart's stand-in for SC22's boxes (utils/volume_data.py's STAND_IN): a 96^3 training box,
+# The U-Net quickstart's stand-in for SC22's boxes (utils/data/volume.py's STAND_IN): a 96^3 training box,
 # then a 64^3 validation box; each file appears only when complete, so the validation file marks the whole set.
 data-unet: $(VOLUME_DATA)/valid.h5
 

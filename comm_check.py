@@ -3,7 +3,7 @@
 Run it before a long multi-node job: it proves that every rank reaches every other one, that the
 collectives return the right numbers, and how fast the network is, in the table format of
 NVIDIA's nccl-tests (time, algorithm bandwidth, bus bandwidth, wrong elements). nccl on GPUs,
-gloo on CPU; ranks and devices come from utils/distributed.py, so any launcher works::
+gloo on CPU; ranks and devices come from utils/parallel/distributed.py, so any launcher works::
 
     torchrun --nproc-per-node 2 comm_check.py --max-bytes 4MiB            # one machine, CPU
     sbatch submit_multinode.sh comm_check.py                             # N nodes x 4 GPUs
@@ -30,7 +30,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from utils.distributed import DistEnv, cleanup_distributed, init_distributed, read_dist_env
+from utils.parallel.distributed import DistEnv, cleanup_distributed, init_distributed, read_dist_env
 
 DTYPE = torch.float32
 ELEMENT_BYTES = torch.finfo(DTYPE).bits // 8

@@ -36,7 +36,8 @@ from models import build_model, fixed_input_size
 from utils.checkpoint import (CheckpointError, ensure_writable_dir, latest_checkpoint, load_checkpoint,
                               replaced_atomically, reporting_write_failures)
 from utils.config import Config, ConfigError, build_config, load_named_configs
-from utils.data import FIELDS_KEY, DataError, ERA5Dataset, evenly_spaced, scan_split
+from utils.data.common import DataError, evenly_spaced
+from utils.data.era5 import FIELDS_KEY, ERA5Dataset, scan_split
 from utils.metrics import json_safe
 from utils.precision import autocast
 from utils.tasks import Forecast, build_task
@@ -44,7 +45,7 @@ from utils.training import configure_backends, pick_device, run_cli
 
 HOURS_ATTR = "hours_per_step"  # optional attribute of ``fields`` (the synthetic generator writes it)
 ASSUMED_HOURS = 6.0  # NERSC's ERA5 spacing
-DCP_METADATA = ".metadata"  # what marks a train_fsdp.py checkpoint folder (utils/fsdp.py)
+DCP_METADATA = ".metadata"  # what marks a train_fsdp.py checkpoint folder (utils/parallel/fsdp.py)
 METRICS = ("rmse", "acc", "persistence_rmse", "persistence_acc", "climatology_rmse", "climatology_acc")
 CURVES = (("", "model", "o-"), ("persistence_", "persistence", "s--"), ("climatology_", "climatology", "^:"))
 
@@ -81,7 +82,7 @@ def find_checkpoint(path) -> tuple[Path, Path]:
         folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
         checkpoint = latest_checkpoint(folder)
         if checkpoint is None:
-            from utils.fsdp import latest_sharded_checkpoint  # torch.distributed.checkpoint: only when needed
+            from utils.parallel.fsdp import latest_sharded_checkpoint
 
             checkpoint = latest_sharded_checkpoint(folder)
         if checkpoint is None:
@@ -95,7 +96,7 @@ def load_payload(checkpoint: Path) -> dict:
     """The checkpoint in train.py's layout; a DCP folder is exported to a temporary file first."""
     if not checkpoint.is_dir():
         return load_checkpoint(checkpoint)
-    from utils.fsdp import export_full_state_dict
+    from utils.parallel.fsdp import export_full_state_dict
 
     with tempfile.TemporaryDirectory(prefix="rollout-") as folder:
         return load_checkpoint(export_full_state_dict(checkpoint, Path(folder) / "checkpoint.pt"))

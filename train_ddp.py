@@ -25,12 +25,12 @@ from utils.checkpoint import (CheckpointError, TrainState, latest_checkpoint, lo
                               save_checkpoint)
 from utils.config import parse_config
 from utils.data import build_loaders
-from utils.distributed import all_reduce_max, all_reduce_mean, barrier, cleanup_distributed, init_distributed
 from utils.metrics import (MetricsLogger, device_peak_flops, mfu, peak_memory_gb, reset_peak_memory,
                            train_flops_per_sample)
+from utils.parallel.distributed import all_reduce_max, all_reduce_mean, barrier, cleanup_distributed, init_distributed
+from utils.parallel.techniques import apply_ac, apply_compile, apply_ddp
 from utils.precision import autocast, make_grad_scaler
 from utils.tasks import build_task
-from utils.techniques import apply_ac, apply_compile, apply_ddp
 from utils.training import (build_loss, build_optimizer, check_finite, checkpoint_payload, configure_backends,
                             restore_payload, run_cli, seed_everything, seed_step, show_progress, total_steps)
 

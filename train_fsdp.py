@@ -4,7 +4,7 @@ Each rank keeps 1/world_size of every parameter, gradient and AdamW state (DDP: 
 all-gathers one block (Swin or ViT block; an RSTB with --fsdp_unit layer) just before it runs.
 --hsdp_replicas N shards within groups and replicates across N of them (HSDP: one group per node); --param_dtype bf16
 computes in bf16 with fp32 master weights. Checkpoints are sharded torch.distributed.checkpoint
-folders that resume on any number of ranks; `python -m utils.fsdp export` makes a train.py file.
+folders that resume on any number of ranks; `python -m utils.parallel.fsdp export` makes a train.py file.
 
 Launch (torchrun starts one process per GPU and sets RANK, LOCAL_RANK, WORLD_SIZE):
     torchrun --nproc-per-node 4 train_fsdp.py --config baseline --param_dtype bf16   # one node, 4 GPUs
@@ -23,14 +23,14 @@ from models import build_model
 from utils.checkpoint import CheckpointError, TrainState, prepare_run_dir
 from utils.config import parse_config
 from utils.data import build_loaders
-from utils.distributed import all_reduce_max, all_reduce_mean, cleanup_distributed, init_distributed
-from utils.fsdp import (latest_sharded_checkpoint, load_sharded_checkpoint, memory_record, save_sharded_checkpoint,
-                        sharded_payload)
 from utils.metrics import (MetricsLogger, device_peak_flops, mfu, peak_memory_gb, reset_peak_memory,
                            train_flops_per_sample)
+from utils.parallel.distributed import all_reduce_max, all_reduce_mean, cleanup_distributed, init_distributed
+from utils.parallel.fsdp import (apply_fsdp, latest_sharded_checkpoint, load_sharded_checkpoint, memory_record,
+                                 save_sharded_checkpoint, sharded_payload)
+from utils.parallel.techniques import apply_ac, apply_compile
 from utils.precision import autocast, make_grad_scaler
 from utils.tasks import build_task
-from utils.techniques import apply_ac, apply_compile, apply_fsdp
 from utils.training import (build_loss, build_optimizer, check_finite, configure_backends, run_cli, seed_everything,
                             seed_step, show_progress, total_steps)
 

@@ -9,7 +9,7 @@ The tp x cp ranks of a model replica read the same batch; FSDP2 shards over the 
 cp folded in, so every gradient is averaged over dp x cp. Every layout trains as one device does
 (tests/test_mp.py, tests/test_domain_parallel.py).
 Checkpoints are DCP folders, as train_fsdp.py's: they resume under any layout, and
-`python -m utils.fsdp export` makes a train.py file.
+`python -m utils.parallel.fsdp export` makes a train.py file.
 
 Launch (torchrun starts one process per GPU and sets RANK, LOCAL_RANK, WORLD_SIZE):
     torchrun --nproc-per-node 4 train_mp.py --config vit_mp --tp 4                  # one node: 4-way TP
@@ -30,19 +30,20 @@ from tqdm import tqdm
 from models import build_model
 from utils.checkpoint import CheckpointError, TrainState, prepare_run_dir
 from utils.config import parse_config
-from utils.context_parallel import apply_cp
 from utils.data import build_loaders
-from utils.distributed import all_reduce_max, all_reduce_mean, build_mp_mesh, cleanup_distributed, init_distributed
-from utils.domain_parallel import band_loss, field_bands
-from utils.fsdp import (latest_sharded_checkpoint, load_sharded_checkpoint, memory_record, save_sharded_checkpoint,
-                        sharded_payload)
 from utils.memory import SavedTensorBytes
 from utils.metrics import (MetricsLogger, device_peak_flops, mfu, peak_memory_gb, reset_peak_memory,
                            train_flops_per_sample)
+from utils.parallel.context_parallel import apply_cp
+from utils.parallel.distributed import (all_reduce_max, all_reduce_mean, build_mp_mesh, cleanup_distributed,
+                                        init_distributed)
+from utils.parallel.domain_parallel import band_loss, field_bands
+from utils.parallel.fsdp import (apply_fsdp, latest_sharded_checkpoint, load_sharded_checkpoint, memory_record,
+                                 save_sharded_checkpoint, sharded_payload)
+from utils.parallel.techniques import apply_ac, apply_compile
+from utils.parallel.tensor_parallel import apply_tp
 from utils.precision import autocast, make_grad_scaler
 from utils.tasks import build_task
-from utils.techniques import apply_ac, apply_compile, apply_fsdp
-from utils.tensor_parallel import apply_tp
 from utils.training import (build_loss, build_optimizer, check_finite, configure_backends, run_cli, seed_everything,
                             seed_step, show_progress, total_steps)
 

@@ -200,7 +200,7 @@ def vit_full_size(args) -> dict:
 
     from models import build_model
     from utils.memory import loss_for
-    from utils.techniques import apply_ac
+    from utils.parallel.techniques import apply_ac
 
     print(f"threads {torch.get_num_threads()}; GB = 1e9 bytes")
     print(f"1. ViT activations at full size (360x720, 20 channels), batch {VIT_BATCH_PER_GPU}, CPU path: "

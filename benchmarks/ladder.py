@@ -6,7 +6,7 @@
     sbatch submit_singlegpu.sh benchmarks/ladder.py --config vit_base --steps 200
 
 Every rung is a set of config keys of the training scripts (NERSC's single-GPU ladder, with
-PyTorch in place of DALI: utils/device_pipeline.py says why), so a rung that pays off is switched on
+PyTorch in place of DALI: utils/data/device_pipeline.py says why), so a rung that pays off is switched on
 in a real run with the same keys. Each rung is one `train_with_profiling.py` run in a fresh process
 with the keys of this rung and every rung before it: ``--steps`` training steps (compilation and
 warm-up happen there), then the throughput breakdown's ``--breakdown-steps`` timed steps of
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import os
+import statistics
 import subprocess
 import sys
 import tempfile

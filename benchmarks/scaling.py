@@ -132,8 +132,8 @@ class Variant:
 
     def __init__(self, cfg, overrides: dict, batch: tuple, device, steps_per_epoch: int):
         from models import build_model
+        from utils.parallel.techniques import apply_ac, apply_compile, apply_ddp
         from utils.precision import make_grad_scaler
-        from utils.techniques import apply_ac, apply_compile, apply_ddp
         from utils.training import build_loss, build_optimizer
 
         self.cfg = copy.deepcopy(cfg)
@@ -240,7 +240,7 @@ def cpu_name() -> str:
 
 def worker(args: argparse.Namespace) -> int:
     from utils.config import parse_config
-    from utils.distributed import cleanup_distributed, init_distributed
+    from utils.parallel.distributed import cleanup_distributed, init_distributed
 
     cfg = parse_config("", args.train_args)
     env, device = init_distributed(cfg.dist.dist_timeout_s)

@@ -75,7 +75,7 @@ if __package__:  # imported as datasets.make_synthetic_era5
 else:  # run as a script: datasets/ is on sys.path
     from compute_stats import OneLineParser, StatsError, cannot_write, compute_stats
 
-# SuperBench's per-channel statistics (the targets); utils/data.py holds the same values as
+# SuperBench's per-channel statistics (the targets); utils/data/era5.py holds the same values as
 # SUPERBENCH_MEAN/STD (a test checks they agree). Not imported from there: this script needs no torch.
 TARGET_MEAN = (6.3024, 278.3945, 18.4262)
 TARGET_STD = (3.7376, 21.0588, 16.4687)

@@ -153,7 +153,7 @@ def launch_tree_figure(nodes: int = 2, gpus: int = 4) -> Figure:
                                     facecolor="none", edgecolor="#70AD47", linewidth=1.2, linestyle="--"))
     ax.text(8, 1.15, "LOCAL_RANK picks the GPU on the node (torch.cuda.set_device);  RANK picks the data shard "
             "(DistributedSampler) and who writes (rank 0);\nWORLD_SIZE = nodes x processes per node divides the "
-            "global batch (--batch_size 64: 8 samples per GPU).  utils/distributed.py reads them all.",
+            "global batch (--batch_size 64: 8 samples per GPU).  utils/parallel/distributed.py reads them all.",
             ha="center", va="top", fontsize=9.5)
     return fig
 

@@ -7,8 +7,6 @@ from typing import Optional
 
 import torch.nn as nn
 
-from utils.config import img_hw
-
 from .swinir import SwinIR
 from .unet3d import UNet3D
 from .vit import ViT
@@ -19,7 +17,7 @@ __all__ = ["SwinIR", "UNet3D", "ViT", "build_model", "count_parameters", "fixed_
 def build_model(cfg) -> nn.Module:
     """The model described by ``cfg`` (a ``utils.config.ModelConfig``, or a whole ``Config``).
 
-    mean/std must be set (utils.data.resolve_from_data fills them from the data's statistics).
+    mean/std must be set (utils.data.era5.resolve_from_data fills them from the data's statistics).
     """
     if not isinstance(getattr(cfg, "model", None), str):  # a whole Config: use its model section
         cfg = cfg.model
@@ -29,8 +27,8 @@ def build_model(cfg) -> nn.Module:
         return UNet3D(cfg.in_chans, cfg.out_chans, cfg.widths, cfg.full_scale)
     if not kwargs["mean"]:
         raise ValueError("build_model: mean/std are empty; resolve them from the data first "
-                         "(utils.data.resolve_from_data) or set them in the config")
-    img_size = img_hw(cfg)
+                         "(utils.data.era5.resolve_from_data) or set them in the config")
+    img_size = cfg.img_hw
     kwargs.pop("img_size")
     if name == "swinir":
         kwargs.pop("patch_size")  # SwinIR embeds single pixels
@@ -47,7 +45,7 @@ def build_model(cfg) -> nn.Module:
 
 def fixed_input_size(cfg) -> Optional[tuple[int, int]]:
     """(height, width) the model accepts and nothing else (the ViT: its position embedding), or None (any size)."""
-    return img_hw(cfg) if cfg.model == "vit" else None
+    return cfg.img_hw if cfg.model == "vit" else None
 
 
 def count_parameters(model: nn.Module) -> int:

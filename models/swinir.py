@@ -251,7 +251,7 @@ class SwinTransformerBlock(nn.Module):
 
     # The only two places where a block looks beyond its own rows of the field (the cyclic shift wraps the
     # bottom rows round to the top): methods, so that domain parallelism can give them the whole field's
-    # meaning for a band of it (utils/domain_parallel.py).
+    # meaning for a band of it (utils/parallel/domain_parallel.py).
     def roll(self, x: torch.Tensor, shift: int) -> torch.Tensor:
         """(B, H, W, C) cyclically shifted by ``shift`` rows and columns."""
         return torch.roll(x, shifts=(shift, shift), dims=(1, 2))

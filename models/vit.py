@@ -20,7 +20,7 @@ What this module adds to theirs, without changing the arithmetic:
     from k, so a tensor-parallel plan that splits q, k, v column-wise (whole heads per rank) and a
     context-parallel one that gathers the keys and values of other ranks need no change here;
   * ``blocks()`` exposes the transformer blocks for activation checkpointing, torch.compile and
-    FSDP2, applied from outside (utils/techniques.py).
+    FSDP2, applied from outside (utils/parallel/techniques.py).
 """
 
 from __future__ import annotations

@@ -29,12 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from models import build_model  # noqa: E402
 from utils.config import build_config  # noqa: E402
-from utils.context_parallel import apply_cp  # noqa: E402
-from utils.distributed import build_mp_mesh  # noqa: E402
-from utils.domain_parallel import band_bounds, band_loss, field_bands, gather_bands  # noqa: E402
 from utils.memory import SavedTensorBytes  # noqa: E402
-from utils.techniques import apply_ac  # noqa: E402
-from utils.tensor_parallel import apply_tp  # noqa: E402
+from utils.parallel.context_parallel import apply_cp
+from utils.parallel.distributed import build_mp_mesh
+from utils.parallel.domain_parallel import band_bounds, band_loss, field_bands, gather_bands
+from utils.parallel.techniques import apply_ac
+from utils.parallel.tensor_parallel import apply_tp
 
 STEPS = 2
 BATCH = 2

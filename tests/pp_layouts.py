@@ -28,9 +28,9 @@ from mp_layouts import differing, full  # noqa: E402
 
 from models import build_model  # noqa: E402
 from utils.config import build_config  # noqa: E402
-from utils.distributed import build_pp_mesh  # noqa: E402
-from utils.pipeline_parallel import Pipeline, apply_data_parallel  # noqa: E402
-from utils.techniques import apply_ac  # noqa: E402
+from utils.parallel.distributed import build_pp_mesh
+from utils.parallel.pipeline_parallel import Pipeline, apply_data_parallel
+from utils.parallel.techniques import apply_ac
 from utils.training import relative_l2
 
 STEPS = 2

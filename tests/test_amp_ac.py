@@ -11,8 +11,9 @@ from models import build_model
 from tests.conftest import TINY_MODEL, run_script
 from utils.config import build_config
 from utils.memory import SavedTensorBytes, random_batch
+from utils.parallel.plans import ac_units
+from utils.parallel.techniques import apply_ac
 from utils.precision import autocast, make_grad_scaler
-from utils.techniques import ac_units, apply_ac
 from utils.training import configure_backends
 
 CPU = torch.device("cpu")
@@ -152,7 +153,7 @@ def test_compile_gives_every_block_a_graph_and_matches_eager():
     apply_compile must raise it, or later blocks silently run eagerly."""
     from torch._dynamo.utils import counters
 
-    from utils.techniques import apply_compile
+    from utils.parallel.techniques import apply_compile
 
     torch._dynamo.reset()
     cfg = build_config("quickstart", {"depths": [6, 6], "num_heads": [2, 2], "drop_path_rate": 0.1})

@@ -16,19 +16,11 @@ from torch.utils.data import DataLoader
 
 import datasets.make_synthetic_era5 as gen
 from datasets.make_synthetic_era5 import make_synthetic_era5
-from utils import data_bench
+from benchmarks import bench_data as data_bench
 from utils.config import Config
-from utils.data import (
-    CHANNEL_NAMES,
-    SUPERBENCH_MEAN,
-    SUPERBENCH_STD,
-    DataError,
-    ERA5Dataset,
-    ResumableDistributedSampler,
-    bicubic_downsample,
-    build_dataloader,
-    build_loaders,
-)
+from utils.data import build_loaders
+from utils.data.common import DataError, ResumableDistributedSampler, build_dataloader
+from utils.data.era5 import CHANNEL_NAMES, SUPERBENCH_MEAN, SUPERBENCH_STD, ERA5Dataset, bicubic_downsample
 
 REPO = Path(__file__).resolve().parent.parent
 DAYS, HEIGHT, WIDTH = 6, 49, 96  # 48 x 96 after dropping the last row
@@ -473,8 +465,8 @@ def test_benchmark_runs(root, capsys):
 
 
 def test_one_stand_in_recipe_in_the_makefile_and_the_errors(tmp_path, monkeypatch):
-    from utils.data import HOW_TO_GET_DATA, stand_in_command
     from utils.config import build_config
+    from utils.data.era5 import HOW_TO_GET_DATA, stand_in_command
 
     makefile = (REPO / "Makefile").read_text().replace("\\\n", " ")
     recipe = next(line for line in makefile.splitlines() if "--out $(QUICKSTART_DATA)" in line)

@@ -78,7 +78,7 @@ def test_no_ddp_really_skips_the_all_reduce():
     from torch.nn.parallel import DistributedDataParallel
 
     from utils.config import build_config
-    from utils.techniques import apply_ddp
+    from utils.parallel.techniques import apply_ddp
 
     model = torch.nn.Linear(2, 2)
     assert apply_ddp(model, build_config("quickstart", {"no_ddp": True}), torch.device("cpu")) is model

@@ -11,13 +11,15 @@ import copy
 
 import pytest
 import torch
-
 from conftest import REFERENCE_STEPS, read_metrics, run_script, tiny_args
+
 from models import build_model
 from utils.config import ConfigError, build_config
-from utils.data import DataError, ERA5Dataset, build_loaders
-from utils.device_pipeline import DeviceLoader
-from utils.techniques import apply_compile
+from utils.data import build_loaders
+from utils.data.common import DataError
+from utils.data.device_pipeline import DeviceLoader
+from utils.data.era5 import ERA5Dataset
+from utils.parallel.techniques import apply_compile
 from utils.training import build_optimizer
 
 

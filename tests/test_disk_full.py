@@ -223,7 +223,7 @@ def one_rank():
 
 
 def test_sharded_checkpoint_on_a_full_disk(one_rank, small_disk):
-    from utils.fsdp import save_sharded_checkpoint
+    from utils.parallel.fsdp import save_sharded_checkpoint
 
     disk = small_disk(1_000_000)
     ckpts = disk.root / "run" / "checkpoints"

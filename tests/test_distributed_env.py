@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from utils.distributed import DistEnv, device_for, read_dist_env
+from utils.parallel.distributed import DistEnv, device_for, read_dist_env
 
 
 def test_single_process_without_launcher():

@@ -1,4 +1,4 @@
-"""SwinIR's domain parallelism (utils/domain_parallel.py, train_mp.py --cp for SwinIR): one field in bands.
+"""SwinIR's domain parallelism (utils/parallel/domain_parallel.py, train_mp.py --cp for SwinIR): one field in bands.
 
 - Every layout (cp4 with an uneven 8 + 8 + 8 + 6 split, dp2 x cp2 with activation checkpointing and a
   16 + 6 split, tp2 x cp2), every band boundary crossing a shifted window: each step's output, loss and
@@ -22,10 +22,10 @@ import torch
 from models.swinir import SwinIR
 from tests.conftest import FakeMesh, run_script
 from utils.config import ConfigError, build_config
-from utils.context_parallel import apply_cp
-from utils.data import ERA5Dataset
-from utils.domain_parallel import BICUBIC_REACH, FieldBands, band_bounds, field_bands
+from utils.data.era5 import ERA5Dataset
 from utils.memory import estimate_memory
+from utils.parallel.context_parallel import apply_cp
+from utils.parallel.domain_parallel import BICUBIC_REACH, FieldBands, band_bounds, field_bands
 
 ALL_FP32_LAYOUTS = ["cp4", "dp2xcp2+ac", "tp2xcp2"]
 

@@ -1,4 +1,4 @@
-"""train_fsdp.py and utils/fsdp.py on CPU (gloo): equals one process, bf16 policy, HSDP, DCP checkpoints.
+"""train_fsdp.py and utils/parallel/fsdp.py on CPU (gloo): equals one process, bf16 policy, HSDP, DCP checkpoints.
 
 Few launches (torchrun start-up dominates): the session's train.py reference and one 2-rank FSDP run shared by
 several tests; resumes start from copies of the FSDP run's checkpoints. The rest runs in-process on
@@ -22,7 +22,7 @@ def ckpt(run_dir, step: int):
 
 def exported(run_dir, step: int) -> dict:
     """The DCP checkpoint of ``step`` as a train.py payload, exported in this (single) process."""
-    from utils.fsdp import export_full_state_dict
+    from utils.parallel.fsdp import export_full_state_dict
 
     out = run_dir / "exported" / f"step_{step}.pt"
     if not out.exists():
@@ -142,7 +142,7 @@ def _tiny_overrides(data_dir=None, **extra) -> dict:
 
 def _sharded_model(**overrides):
     from models import build_model
-    from utils.fsdp import apply_fsdp
+    from utils.parallel.fsdp import apply_fsdp
 
     cfg = build_config("quickstart", _tiny_overrides(**overrides))
     torch.manual_seed(0)
@@ -150,7 +150,7 @@ def _sharded_model(**overrides):
 
 
 def test_mesh_shape():
-    from utils.fsdp import mesh_shape
+    from utils.parallel.fsdp import mesh_shape
 
     assert mesh_shape(8, 1) == (8,) and mesh_shape(8, 2) == (2, 4)
     for replicas in (0, 3):
@@ -179,7 +179,7 @@ def test_bf16_policy_computes_in_bf16_but_normalises_in_fp32(one_rank):
 
 
 def test_memory_record_predicts_adamw_state(one_rank):
-    from utils.fsdp import memory_record
+    from utils.parallel.fsdp import memory_record
 
     model, _ = _sharded_model()
     optimizer = torch.optim.AdamW(model.parameters())
@@ -194,7 +194,7 @@ def test_memory_record_predicts_adamw_state(one_rank):
 
 
 def test_checkpoints_are_complete_or_ignored(one_rank, tmp_path):
-    from utils.fsdp import latest_sharded_checkpoint, save_sharded_checkpoint
+    from utils.parallel.fsdp import latest_sharded_checkpoint, save_sharded_checkpoint
 
     ckpt_dir = tmp_path / "checkpoints"
     assert latest_sharded_checkpoint(ckpt_dir) is None
@@ -211,7 +211,7 @@ def test_checkpoints_are_complete_or_ignored(one_rank, tmp_path):
 
 
 def test_single_file_checkpoints_and_bad_export_are_one_line_errors(tmp_path, capsys):
-    from utils.fsdp import latest_sharded_checkpoint, main
+    from utils.parallel.fsdp import latest_sharded_checkpoint, main
 
     ckpt_dir = tmp_path / "checkpoints"
     ckpt_dir.mkdir()

@@ -22,16 +22,15 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import (FakeMesh, REFERENCE_STEPS, REPO, VIT_STEPS, read_metrics, resume_from, run_script,
+from tests.conftest import (REFERENCE_STEPS, REPO, VIT_STEPS, FakeMesh, read_metrics, resume_from, run_script,
                             tiny_args, vit_args, weights_at)
 from tests.test_ddp import assert_same_weights, train_losses
 from tests.test_fsdp import exported
 from tests.test_vit_training import assert_equals_single_device, val_records
 from utils.config import ConfigError, build_config
-from utils.context_parallel import apply_cp, band_rows
-from utils.distributed import cleanup_distributed, mp_mesh_layout
-from utils.tensor_parallel import apply_tp
-
+from utils.parallel.context_parallel import apply_cp, band_rows
+from utils.parallel.distributed import cleanup_distributed, mp_mesh_layout
+from utils.parallel.tensor_parallel import apply_tp
 
 # ------------------------------------------------------------------ every layout, step by step
 
@@ -155,7 +154,7 @@ def test_models_without_a_plan_are_refused():
 
 
 def test_hsdp_is_train_fsdp_only():
-    from utils.fsdp import apply_fsdp
+    from utils.parallel.fsdp import apply_fsdp
 
     cfg = build_config("vit_quickstart", {"hsdp_replicas": 2})
     with pytest.raises(ConfigError, match="hsdp_replicas 2 is train_fsdp.py's"):

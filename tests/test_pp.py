@@ -22,14 +22,14 @@ import pytest
 import torch
 
 from models import build_model
-from tests.conftest import (FakeMesh, REPO, VIT_STEPS, read_metrics, resume_from, run_script, tiny_args, vit_args,
+from tests.conftest import (REPO, VIT_STEPS, FakeMesh, read_metrics, resume_from, run_script, tiny_args, vit_args,
                             weights_at)
 from tests.test_ddp import assert_same_weights, train_losses
 from tests.test_fsdp import exported
 from tests.test_vit_training import assert_equals_single_device
 from utils.config import ConfigError, build_config
-from utils.distributed import cleanup_distributed
-from utils.pipeline_parallel import Pipeline, balanced_split, bubble_theory, cut_stage, plan_for, stage_ids
+from utils.parallel.distributed import cleanup_distributed
+from utils.parallel.pipeline_parallel import Pipeline, balanced_split, bubble_theory, cut_stage, plan_for, stage_ids
 
 SWINIR_4 = ("--depths", "[1,1,1,1]", "--num_heads", "[2,2,2,2]")
 

@@ -73,8 +73,8 @@ CPU_RUN = {
         "--log_every 1 --data_dir {ws}/datasets/synthetic_small",
     "torchrun --standalone --nproc-per-node 2 train_fsdp.py --config quickstart --run_dir runs/quickstart_fsdp":
         "... --max_steps 2 --val_every 2 --val_samples 2",
-    "python -m utils.fsdp export runs/quickstart_fsdp/checkpoints/step_00001200 runs/quickstart_fsdp/step_1200.pt":
-        "python -m utils.fsdp export runs/quickstart_fsdp/checkpoints/step_00000002 runs/quickstart_fsdp/step_2.pt",
+    "python -m utils.parallel.fsdp export runs/quickstart_fsdp/checkpoints/step_00001200 runs/quickstart_fsdp/step_1200.pt":
+        "python -m utils.parallel.fsdp export runs/quickstart_fsdp/checkpoints/step_00000002 runs/quickstart_fsdp/step_2.pt",
     # docs/performance.md: 1 and 2 ranks of the tiny SwinIR, one timed step per variant
     "python benchmarks/scaling.py --sizes 1 2 4 --steps 3 --bucket-caps 0.01 0.05 -- --config quickstart":
         "python benchmarks/scaling.py --sizes 1 2 --steps 1 --rounds 1 --bucket-caps 0.01 0.05 --out {ws}/runs/scaling "
@@ -415,7 +415,7 @@ def test_setup_command_is_known(command):
 # Cluster lines: parse the arguments of the project script they start, count the ranks they start.
 @dataclass
 class Launch:
-    script: str  # train.py, comm_check.py, -m utils.fsdp, ...
+    script: str  # train.py, comm_check.py, -m utils.parallel.fsdp, ...
     args: list[str]
     ranks: int
 
@@ -609,7 +609,7 @@ def _generator_args(command: str) -> dict:
 def test_one_stand_in_recipe():
     """The Makefile's `data`, datasets/README.md's laptop recipe and the missing-data hint agree."""
     from utils.config import build_config
-    from utils.data import stand_in_command
+    from utils.data.era5 import stand_in_command
 
     makefile = (REPO / "Makefile").read_text()
     recipe = re.search(r"^\$\(QUICKSTART_DATA\)/valid:.*\n((?:\t.*\n)+)", makefile, re.M).group(1)

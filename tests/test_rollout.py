@@ -114,7 +114,7 @@ def test_lead_one_equals_the_validation_record(trained, tmp_path, capsys):
 
 def test_hours_from_the_data_and_a_dcp_checkpoint(trained, tmp_path, capsys):
     from utils.checkpoint import TrainState
-    from utils.fsdp import apply_fsdp, save_sharded_checkpoint, sharded_payload
+    from utils.parallel.fsdp import apply_fsdp, save_sharded_checkpoint, sharded_payload
     from utils.precision import make_grad_scaler
     from utils.training import build_optimizer
 

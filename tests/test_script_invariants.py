@@ -14,8 +14,8 @@ import torch
 
 from tests.conftest import REPO, tiny_args
 from utils import training
-from utils.data import ResumableDistributedSampler
-from utils.pipeline_parallel import Pipeline
+from utils.data.common import ResumableDistributedSampler
+from utils.parallel.pipeline_parallel import Pipeline
 
 SCRIPTS = [p.name for p in sorted(REPO.glob("train*.py"))]
 

@@ -261,7 +261,7 @@ def test_makefile_vit_data_command(tmp_path):
     assert means.shape == stds.shape == (1, 20, 1, 1) and climatology.shape == (1, 20, HEIGHT, WIDTH)
     assert 270 < means[0, 2, 0, 0] < 290 and np.all(stds > 0)
 
-    from utils.data import read_climatology, read_stats  # the loader's side of the contract
+    from utils.data.era5 import read_climatology, read_stats
 
     mean, std = read_stats(tmp_path, 20)
     np.testing.assert_allclose(mean, means.ravel(), rtol=1e-6)

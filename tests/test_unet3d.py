@@ -1,5 +1,5 @@
 """Part III through Part I's scripts: SC22's 3-D U-Net (models/unet3d.py) on crops of one simulation box
-(utils/volume_data.py).
+(utils/data/volume.py).
 
 The model's shapes and SC22's parameter count (by formula); the cube's 48 symmetries, applied alike to input
 and target and turning vector fields with the grid; augmentation on the device equal to augmentation on the
@@ -26,8 +26,8 @@ from tests.test_vit_training import assert_equals_single_device, loss_and_grads,
 from utils.checkpoint import load_checkpoint
 from utils.config import ConfigError, build_config
 from utils.data import build_loaders
-from utils.techniques import apply_ac, apply_compile
-from utils.volume_data import NUM_SYMMETRIES, VolumeDataset, apply_symmetry
+from utils.data.volume import NUM_SYMMETRIES, VolumeDataset, apply_symmetry
+from utils.parallel.techniques import apply_ac, apply_compile
 
 VOLUME_METRICS = ("l1", "mean_l1")
 CHECKPOINTS = (2, 4, 6)  # UNET_STEPS: every 2 steps, the end of the epoch (4) and the end

@@ -16,8 +16,8 @@ from tests.test_ddp import assert_same_weights, train_losses
 from tests.test_fsdp import exported
 from utils.checkpoint import load_checkpoint
 from utils.config import build_config
+from utils.parallel.techniques import apply_ac, apply_compile
 from utils.precision import autocast
-from utils.techniques import apply_ac, apply_compile
 from utils.training import build_loss
 
 FORECAST_METRICS = ("rmse", "acc", "persistence_rmse", "persistence_acc", "climatology_rmse", "climatology_acc")

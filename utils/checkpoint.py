@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 CHECKPOINT_NAME = re.compile(r"^step_(\d+)\.pt$")
 SHARDED_CHECKPOINT_NAME = re.compile(r"^step_(\d+)$")
-"""train_fsdp.py's DCP folders (utils/fsdp.py); complete once they hold DCP_METADATA, which DCP writes last."""
+"""train_fsdp.py's DCP folders (utils/parallel/fsdp.py); complete once they hold DCP_METADATA, which DCP writes last."""
 DCP_METADATA = ".metadata"
 METRICS_FILE = "metrics.jsonl"
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO})
@@ -151,12 +151,7 @@ def newest_complete_checkpoint(ckpt_dir) -> Optional[Path]:
     """The complete checkpoint with the highest step of either kind: a step_N.pt file (train.py,
     train_ddp.py) or a DCP step_N folder holding its metadata (train_fsdp.py); None if there is none."""
     ckpt_dir = Path(ckpt_dir)
-    found = _checkpoints_by_step(ckpt_dir)
-    if ckpt_dir.is_dir():
-        for entry in ckpt_dir.iterdir():
-            match = SHARDED_CHECKPOINT_NAME.match(entry.name)
-            if match and (entry / DCP_METADATA).is_file():
-                found.append((int(match.group(1)), entry))
+    found = checkpoints_by_step(ckpt_dir) + checkpoints_by_step(ckpt_dir, sharded=True)
     return max(found)[1] if found else None
 
 
@@ -292,14 +287,15 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _checkpoints_by_step(ckpt_dir: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints in ``ckpt_dir``, oldest step first (numeric order, any digit count)."""
+def checkpoints_by_step(ckpt_dir: Path, sharded: bool = False) -> list[tuple[int, Path]]:
+    """Complete checkpoints in ``ckpt_dir``, oldest step first (numeric order, any digit count): step_N.pt
+    files, or (``sharded``) DCP step_N folders that hold their metadata, which DCP writes last."""
     if not ckpt_dir.is_dir():
         return []
     found = []
     for entry in ckpt_dir.iterdir():
-        match = CHECKPOINT_NAME.match(entry.name)
-        if match and entry.is_file():
+        match = (SHARDED_CHECKPOINT_NAME if sharded else CHECKPOINT_NAME).match(entry.name)
+        if match and ((entry / DCP_METADATA).is_file() if sharded else entry.is_file()):
             found.append((int(match.group(1)), entry))
     return sorted(found)
 
@@ -366,7 +362,7 @@ def save_checkpoint(ckpt_dir, step: int, state: dict, keep: int = 2) -> Path:
     fsync_dir(ckpt_dir)
 
     if keep >= 1:
-        older = [path for _, path in _checkpoints_by_step(ckpt_dir) if path != final_path]
+        older = [path for _, path in checkpoints_by_step(ckpt_dir) if path != final_path]
         for path in older[: max(0, len(older) - (keep - 1))]:
             path.unlink(missing_ok=True)
     return final_path
@@ -374,7 +370,7 @@ def save_checkpoint(ckpt_dir, step: int, state: dict, keep: int = 2) -> Path:
 
 def latest_checkpoint(ckpt_dir) -> Optional[Path]:
     """The complete checkpoint with the highest step in ``ckpt_dir``, or None if there is none."""
-    found = _checkpoints_by_step(Path(ckpt_dir))
+    found = checkpoints_by_step(Path(ckpt_dir))
     return found[-1][1] if found else None
 
 
@@ -395,7 +391,7 @@ def load_checkpoint(path, map_location="cpu", weights_only: bool = True) -> dict
                 f"checkpoint {path} holds a {foreign.group(1)}, which torch.load(weights_only=True) refuses; "
                 "if you trust the file, load it with weights_only=False"
             ) from None
-        previous = [p.name for _, p in _checkpoints_by_step(path.parent) if p != path]
+        previous = [p.name for _, p in checkpoints_by_step(path.parent) if p != path]
         hint = f"resume from the previous one ({previous[-1]})" if previous else "start the run again"
         raise CheckpointError(
             f"checkpoint {path} is corrupt or truncated ({type(error).__name__}): delete it and {hint}"

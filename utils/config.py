@@ -47,7 +47,7 @@ class DataConfig:
     """Folder under data_dir with the validation files."""
     task: Literal["sr", "forecast", "volume"] = "sr"
     """sr: (low-res, high-res) pairs; forecast: (sample t, sample t+lead) pairs of one file; volume: cubic crops of
-    (input, target) fields of one simulation box (Part III, utils/volume_data.py)."""
+    (input, target) fields of one simulation box (Part III, utils/data/volume.py)."""
     lead: int = 1
     """forecast: steps between input and target (NERSC's 6-hourly data: 1 = six hours ahead)."""
     channel_names: list[str] = field(default_factory=list)
@@ -131,6 +131,12 @@ class ModelConfig:
     """Per-channel mean subtracted inside the model; empty = <data_dir>/stats/global_means.npy (NERSC's layout)."""
     std: list[float] = field(default_factory=list)
     """Per-channel std divided inside the model; empty = <data_dir>/stats/global_stds.npy."""
+
+    @property
+    def img_hw(self) -> tuple[int, int]:
+        """img_size as (height, width): [S] means S x S."""
+        size = self.img_size
+        return (size[0], size[0]) if len(size) == 1 else (size[0], size[1])
 
 
 @dataclass
@@ -413,7 +419,7 @@ def build_config(name: str, overrides: Optional[dict[str, Any]] = None, path: Op
 
 
 def validate(cfg: Config) -> None:
-    """Value checks that types alone do not catch (checks against the data: utils.data.resolve_from_data)."""
+    """Value checks that types alone do not catch (checks against the data: utils.data.era5.resolve_from_data)."""
     d, m, t = cfg.data, cfg.model, cfg.train
     positive = {"batch_size": t.batch_size, "upscale": m.upscale, "window_size": m.window_size, "lead": d.lead,
                 "embed_dim": m.embed_dim, "in_chans": m.in_chans, "n_patches": d.n_patches, "patch_size": m.patch_size,
@@ -447,7 +453,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"the ViT has one stage: depths must have one entry (its depth), got {m.depths}")
         if "layer" in (t.ac, cfg.dist.fsdp_unit):
             raise ConfigError("ac/fsdp_unit 'layer' is SwinIR's RSTB; the ViT's unit is the transformer block: use block")
-        height, width = img_hw(m)
+        height, width = m.img_hw
         if height % m.patch_size or width % m.patch_size:
             raise ConfigError(f"img_size {height}x{width} is not divisible by patch_size {m.patch_size}: "
                               "use a patch size that divides both sides")
@@ -515,12 +521,6 @@ def lr_scale(rule: str, batch_size: int, base_batch_size: int) -> float:
     compute the lr of a run without building it)."""
     ratio = batch_size / base_batch_size
     return {"none": 1.0, "sqrt": math.sqrt(ratio), "linear": ratio}[rule]
-
-
-def img_hw(model_cfg: ModelConfig) -> tuple[int, int]:
-    """img_size as (height, width): [S] means S x S."""
-    size = model_cfg.img_size
-    return (size[0], size[0]) if len(size) == 1 else (size[0], size[1])
 
 
 def _parse_value(text: str) -> Any:

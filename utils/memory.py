@@ -101,8 +101,8 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from utils.config import Config, ConfigError, img_hw
-from utils.domain_parallel import band_bounds
+from utils.config import Config, ConfigError
+from utils.parallel.domain_parallel import band_bounds
 
 GB = 1e9  # decimal gigabytes, as utils.metrics.peak_memory_gb and nvidia-smi's "GB"
 ERA5_FIELD = (720, 1440)  # SuperBench's 721 x 1440 with the last latitude row dropped
@@ -182,7 +182,7 @@ class SwinIRShape:
 
     @classmethod
     def from_config(cls, m) -> "SwinIRShape":
-        side = min(img_hw(m))
+        side = min(m.img_hw)
         window = m.window_size if side > m.window_size else side
         return cls(m.in_chans, m.embed_dim, int(m.embed_dim * m.mlp_ratio), tuple(m.depths), tuple(m.num_heads),
                    window, m.window_size, m.upscale, m.upsampler, m.resi_connection, m.qkv_bias, m.drop_path_rate)
@@ -293,7 +293,7 @@ class ViTShape:
 
     @classmethod
     def from_config(cls, m) -> "ViTShape":
-        return cls(m.in_chans, img_hw(m), m.patch_size, m.embed_dim, m.depths[0], m.num_heads[0],
+        return cls(m.in_chans, m.img_hw, m.patch_size, m.embed_dim, m.depths[0], m.num_heads[0],
                    int(m.embed_dim * m.mlp_ratio), m.qkv_bias, m.drop_path_rate)
 
     name = "ViT"
@@ -413,7 +413,8 @@ class UNet3DShape:
 def field_size_of(cfg: Config) -> tuple[tuple[int, int], str]:
     """High-res whole-field size when crop_size is 0, and where it came from: the data's grid if
     the training split exists, else ERA5's 720 x 1440."""
-    from utils.data import DataError, scan_split
+    from utils.data.common import DataError
+    from utils.data.era5 import scan_split
 
     split = Path(cfg.data.data_dir) / cfg.data.train_split
     try:
@@ -843,7 +844,7 @@ def input_size(cfg: Config, field: Optional[tuple[int, int]] = None) -> tuple[in
     """Spatial size of the model's input: the ViT's img_size (its only size), SwinIR's low-res input, the
     U-Net's crop (side, side, side)."""
     if cfg.model.model == "vit":
-        return img_hw(cfg.model)
+        return cfg.model.img_hw
     if cfg.model.model == "unet3d":
         return (cfg.data.crop_size,) * 3
     return lr_input_size(cfg, field)
@@ -885,7 +886,7 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
 
     # ---------------------------------------------------------------------- activations
     if isinstance(shape, ViTShape):
-        vit = img_hw(cfg.model)
+        vit = cfg.model.img_hw
         if field or (lr_size and tuple(lr_size) != vit):
             raise ConfigError(f"the ViT's input is its img_size {vit[0]}x{vit[1]} (no crops, no --field): "
                               "set --img_size instead")
@@ -1297,7 +1298,7 @@ def random_batch(cfg: Config, lr_size: Optional[tuple[int, int]] = None, device=
 def build_for_measurement(cfg: Config, device="cpu") -> nn.Module:
     """The config's model on ``device`` with its activation checkpointing applied, as train.py builds it."""
     from models import build_model
-    from utils.techniques import apply_ac
+    from utils.parallel.techniques import apply_ac
 
     torch.manual_seed(cfg.train.seed)
     return apply_ac(build_model(_with_statistics(cfg).model).to(device), cfg.train.ac)

@@ -39,7 +39,7 @@ from torch.profiler import ProfilerActivity
 
 from utils.checkpoint import StorageError, find_run_dir, replaced_atomically, reporting_write_failures, write_failure
 from utils.config import Config, ConfigError, ProfileConfig
-from utils.distributed import read_dist_env
+from utils.parallel.distributed import read_dist_env
 from utils.precision import autocast
 
 RANGES = ("## data ##", "## forward ##", "## backward ##", "## optimizer ##")

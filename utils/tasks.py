@@ -33,10 +33,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from utils.data import DataError, read_climatology, scan_split
-from utils.domain_parallel import BICUBIC_REACH, gather_bands, halo
+from utils.data.common import DataError
+from utils.data.era5 import read_climatology, scan_split
 from utils.metrics import (ACCAccumulator, L1Accumulator, RMSEAccumulator, bicubic_upsample, latitude_weights,
                            save_forecast_png, save_sample_png, save_volume_png)
+from utils.parallel.domain_parallel import BICUBIC_REACH, gather_bands, halo
 from utils.precision import autocast
 
 
@@ -53,7 +54,7 @@ class Task:
 
     name = ""
     bands = None
-    """This rank's band of the fields (utils.domain_parallel.FieldBands) when they are split over ranks."""
+    """This rank's band of the fields (utils.parallel.domain_parallel.FieldBands) when they are split over ranks."""
 
     def __init__(self, channel_names: list[str], key_channels: list[str]):
         self.channel_names = list(channel_names)
@@ -206,7 +207,7 @@ def build_task(cfg, device: Optional[torch.device] = None, bands=None) -> Task:
         return Forecast(d.channel_names, d.key_channels, climatology.to(device or "cpu"),
                         latitude_weights(first.height, rows))
     if d.task == "volume":
-        from utils.volume_data import input_names, target_mean
+        from utils.data.volume import input_names, target_mean
 
         return Volume(d.channel_names, d.key_channels, torch.tensor(target_mean(cfg)), input_names(cfg))
     raise ValueError(f"unknown task {d.task!r}")

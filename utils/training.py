@@ -24,8 +24,8 @@ from torch import nn
 from utils.checkpoint import (CheckpointError, StorageError, TrainState, capture_rng_state, restore_rng_state,
                               strip_wrapper_prefixes)
 from utils.config import Config, ConfigError, lr_scale
-from utils.data import STEP_STREAM, DataError, stable_hash
-from utils.distributed import DistEnv, device_for, read_dist_env
+from utils.data.common import STEP_STREAM, DataError, stable_hash
+from utils.parallel.distributed import DistEnv, device_for, read_dist_env
 
 
 class NonFiniteLossError(RuntimeError):

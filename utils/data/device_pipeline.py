@@ -7,7 +7,7 @@ and with them a second place where order and resumption are decided):
 
 - ``device_transforms``: the work done per sample in the loader moves after the copy, done once per
   batch: SwinIR's bicubic downsampling (the loader then hands out the high-res field only: half
-  the bytes to copy with upscale 2), and Part III's 48 symmetries (utils/volume_data.py).
+  the bytes to copy with upscale 2), and Part III's 48 symmetries (utils/data/volume.py).
 - ``prefetch_to_device``: batch k+1 is copied on a side CUDA stream while step k computes. PyTorch
   has no such prefetcher (DataLoader's ``pin_memory`` only pins; its copies are issued by the
   training loop on the compute stream, right before the step needs them), hence this one.
@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from utils.distributed import device_for, read_dist_env
+from utils.parallel.distributed import device_for, read_dist_env
 
 
 def training_device(cfg) -> torch.device:

@@ -1,5 +1,5 @@
 """Context parallelism for the ViT: each rank of the "cp" mesh dimension holds one latitude band of tokens.
-(SwinIR's cp is domain parallelism, a band of the field itself: utils/domain_parallel.py; ``apply_cp`` picks.)
+(SwinIR's cp is domain parallelism, a band of the field itself: utils/parallel/domain_parallel.py; ``apply_cp`` picks.)
 
 Applied from outside, with hooks, to a plain ``models.vit.ViT`` (after tensor parallelism, before
 activation checkpointing, compile and FSDP2):
@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from utils.config import ConfigError
-from utils.domain_parallel import apply_domain_parallel
+from utils.parallel.domain_parallel import apply_domain_parallel
+from utils.parallel.plans import model_plan
 
 
 def band_rows(rows: int, cp: int) -> list[int]:
@@ -82,9 +83,10 @@ def apply_cp(model: nn.Module, cp_mesh) -> nn.Module:
     """
     if cp_mesh is None or cp_mesh.size() == 1:
         return model
-    if hasattr(model, "swin_blocks"):
+    splits = model_plan(model).cp
+    if splits == "fields":
         return apply_domain_parallel(model, cp_mesh)
-    if not hasattr(model, "transformer") or not hasattr(model, "grid"):
+    if splits != "tokens":
         raise ConfigError(f"context parallelism splits the ViT's tokens or SwinIR's fields; {type(model).__name__} "
                           "has no plan: use --cp 1")
     rows, cols = model.grid

@@ -19,7 +19,7 @@ device's, because the three places where SwinIR looks across rows are given the 
 
 Window attention, LayerNorms, MLPs and the pixel shuffle work on each band alone. Padding to a window
 multiple is the last band's (its bottom rows are the field's). The data loader reads only each rank's
-band, plus the two rows the bicubic downsampling reaches beyond it (utils/data.py), and validation's
+band, plus the two rows the bicubic downsampling reaches beyond it (utils/data/era5.py), and validation's
 bicubic baseline takes the same two low-resolution rows from the neighbours.
 
 The loss is the mean over the whole field: each rank weights its band's mean by its share of the
@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from utils.config import ConfigError
+from utils.parallel.plans import model_plan
 
 BICUBIC_REACH = 2
 """Rows a bicubic resize reads beyond the rows it maps (its 4 taps): the loader's and the baseline's halo."""
@@ -237,7 +238,7 @@ def apply_domain_parallel(model: nn.Module, cp_mesh) -> nn.Module:
     Its input must then be this rank's band of the low-resolution field (``FieldBands.bounds``), and
     its output is the band of the high-resolution field.
     """
-    if not hasattr(model, "swin_blocks"):
+    if model_plan(model).cp != "fields":
         raise ConfigError(f"domain parallelism splits SwinIR's fields; {type(model).__name__} has no plan")
     if model.ape:
         raise ConfigError("domain parallelism does not split the absolute position embedding of a SwinIR built "

@@ -2,13 +2,14 @@
 
     tensor parallel -> context parallel -> activation checkpointing -> torch.compile -> DDP / FSDP2
 
-(tensor and context parallelism: utils/tensor_parallel.py, utils/context_parallel.py.)
+(tensor and context parallelism: utils/parallel/tensor_parallel.py, utils/parallel/context_parallel.py;
+FSDP2: utils/parallel/fsdp.py.)
 
 Each function takes the model and returns it (modified in place where possible), so a training
 script reads ``model = apply_ac(model, ...); model = apply_compile(model, ...)`` and the model
-code never mentions any of it. The "units" are the model's uniform block lists:
-``model.blocks()`` (SwinIR's Swin transformer blocks, the ViT's transformer blocks) or, for
-SwinIR only, ``model.rstb_layers()`` (every RSTB).
+code never mentions any of it. The "units" are the model's uniform block lists, named by its row in
+utils/parallel/plans.py: "block" (SwinIR's Swin transformer blocks, the ViT's transformer blocks, the
+U-Net's levels) or, for SwinIR only, "layer" (every RSTB).
 """
 
 from __future__ import annotations
@@ -20,18 +21,7 @@ from torch import nn
 from torch.distributed._composable import checkpoint as composable_checkpoint
 
 from utils.config import ConfigError
-
-
-def ac_units(model: nn.Module, unit: str) -> list[nn.Module]:
-    """The modules a technique wraps one by one: "block" = the model's blocks(), "layer" = SwinIR's RSTBs."""
-    if unit == "block":
-        return list(model.blocks())
-    if unit == "layer":
-        if not hasattr(model, "rstb_layers"):
-            raise ConfigError(f"unit 'layer' groups SwinIR's RSTBs; {type(model).__name__} has blocks only: "
-                              "use --ac block / --fsdp_unit block")
-        return list(model.rstb_layers())
-    raise ValueError(f"unit must be 'block' or 'layer', got {unit!r}")
+from utils.parallel.plans import ac_units
 
 
 def apply_ac(model: nn.Module, mode: str) -> nn.Module:
@@ -101,14 +91,3 @@ def apply_ddp(model: nn.Module, cfg, device: torch.device) -> nn.Module:
         static_graph=cfg.dist.static_graph,
         **buffer_sync,
     )
-
-
-def apply_fsdp(model: nn.Module, cfg, device: torch.device, mesh=None, reshard_after_forward=None) -> nn.Module:
-    """FSDP2: fully_shard each block (or SwinIR RSTB) and the root, FSDP or HSDP (utils.fsdp.apply_fsdp);
-    over ``mesh`` if given (train_mp.py: the dp x cp ranks).
-
-    Build the optimizer after this call: it must hold the sharded parameters.
-    """
-    from utils.fsdp import apply_fsdp as shard  # utils.fsdp imports this module
-
-    return shard(model, cfg, device, mesh, reshard_after_forward)

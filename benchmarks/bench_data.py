@@ -1,7 +1,7 @@
-"""Crops per second: hyperslab reads (utils.data) against SuperBench's "read the whole day, then crop".
+"""Crops per second: hyperslab reads (utils.data.era5) against SuperBench's "read the whole day, then crop".
 
-    python -m utils.data_bench DIR [--split train] [--num-workers 4] [--crop-size 128]
-    python -m utils.data_bench --synthetic          # full-size 721x1440 stand-in, removed afterwards
+    python benchmarks/bench_data.py DIR [--split train] [--num-workers 4] [--crop-size 128]
+    python benchmarks/bench_data.py --synthetic          # full-size 721x1440 stand-in, removed afterwards
 
 Both readers run through the same DataLoader (shuffled ResumableDistributedSampler, the same
 workers, bicubic low-res input made in the workers), so the difference is what is read from disk.
@@ -19,11 +19,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from datasets.make_synthetic_era5 import OneLineParser, make_synthetic_era5
-from utils.data import READ_MODES, DataError, ERA5Dataset, build_dataloader
+import psutil  # noqa: E402
+import torch  # noqa: E402
+
+from datasets.make_synthetic_era5 import OneLineParser, make_synthetic_era5  # noqa: E402
+from utils.data.common import DataError, build_dataloader  # noqa: E402
+from utils.data.era5 import READ_MODES, ERA5Dataset  # noqa: E402
 
 
 @dataclass

@@ -1,6 +1,7 @@
-"""Tensor parallelism with DTensor's ``parallelize_module``: the per-model plans live here, not in models/.
+"""Tensor parallelism with DTensor's ``parallelize_module``; each model's plan is its row in
+utils/parallel/plans.py, not in models/.
 
-SwinIR's plan: see ``swinir_plan`` (window attention by heads, MLP by hidden units, the rest replicated).
+SwinIR's plan: see ``plans.swinir_styles`` (window attention by heads, MLP by hidden units, the rest replicated).
 
 The ViT's plan over the "tp" mesh dimension (Megatron's split, plus sequence parallelism):
 
@@ -28,51 +29,10 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
+from torch.distributed.tensor.parallel import parallelize_module
 
 from utils.config import ConfigError
-
-
-def vit_plan(model: nn.Module) -> dict:
-    """The ViT's plan: {module name: ParallelStyle}."""
-    gathered = dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    plan = {
-        "transformer.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                            use_local_output=False),
-        "norm": SequenceParallel(),
-        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-    }
-    for i in range(len(model.transformer)):
-        block = f"transformer.{i}"
-        plan.update({
-            f"{block}.norm1": SequenceParallel(),
-            f"{block}.attn": PrepareModuleInput(**gathered),
-            **{f"{block}.attn.{name}": ColwiseParallel() for name in ("q", "k", "v")},
-            f"{block}.attn.proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-            f"{block}.norm2": SequenceParallel(),
-            f"{block}.mlp": PrepareModuleInput(**gathered),
-            f"{block}.mlp.fc1": ColwiseParallel(),
-            f"{block}.mlp.fc2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-        })
-    return plan
-
-
-def swinir_plan(model: nn.Module) -> dict:
-    """SwinIR's plan for every Swin block: the window attention by heads, the MLP by its hidden units.
-
-    Without sequence parallelism: the cyclic shift and the window partition reorder the tokens in every
-    block, so a token-sharded residual stream would be all-gathered there anyway. The fused qkv linear
-    is ColwiseParallel (its checkpoint layout unchanged), which gives each rank a contiguous 1/tp of the
-    rows q|k|v rather than whole heads; ``_heads_of_this_rank`` regroups its output by heads.
-    """
-    plan = {}
-    for name, module in model.named_modules():
-        if type(module).__name__ == "WindowAttention":
-            plan.update({f"{name}.qkv": ColwiseParallel(use_local_output=False), f"{name}.proj": RowwiseParallel()})
-        elif type(module).__name__ == "SwinTransformerBlock":
-            plan.update({f"{name}.mlp.fc1": ColwiseParallel(), f"{name}.mlp.fc2": RowwiseParallel()})
-    return plan
+from utils.parallel.plans import PLANS, model_plan
 
 
 def _heads_of_this_rank(attn: nn.Module, mesh) -> None:
@@ -102,9 +62,6 @@ def _heads_of_this_rank(attn: nn.Module, mesh) -> None:
         relative_position_index=attn.relative_position_index))
 
 
-PLANS = {"ViT": vit_plan, "SwinIR": swinir_plan}
-
-
 def check_heads(num_heads: int, tp: int) -> None:
     if num_heads % tp:
         raise ConfigError(f"num_heads {num_heads} is not divisible by tp {tp}: each tp rank holds whole heads; "
@@ -115,18 +72,17 @@ def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
     """Parallelize ``model`` over the 1-D ``tp_mesh`` with its plan; a mesh of size 1 changes nothing."""
     if tp_mesh is None or tp_mesh.size() == 1:
         return model
-    plan = PLANS.get(type(model).__name__)
+    plan = model_plan(model).tp
     if plan is None:
         raise ConfigError(f"no tensor-parallel plan for {type(model).__name__}: use --tp 1 "
-                          f"(plans: {', '.join(PLANS)})")
-    for attn in (m for m in model.modules() if hasattr(m, "head_dim")):
-        check_heads(getattr(attn, "num_heads", None) or attn.q.out_features // attn.head_dim, tp_mesh.size())
-    parallelize_module(model, tp_mesh, plan(model))
-    swinir = type(model).__name__ == "SwinIR"
-    for attn in (m for m in model.modules() if type(m).__name__ == "WindowAttention"):
+                          f"(plans: {', '.join(name for name, row in PLANS.items() if row.tp)})")
+    for heads in plan.heads(model):
+        check_heads(heads, tp_mesh.size())
+    parallelize_module(model, tp_mesh, plan.styles(model))
+    for attn in plan.fused_qkv(model):
         _heads_of_this_rank(attn, tp_mesh)  # after the plan's own hooks on qkv
     # The ViT adds its (replicated) position embedding to the patch embedding's output: DTensors there.
-    replicate_rest(model, tp_mesh, local_output=swinir)
+    replicate_rest(model, tp_mesh, local_output=plan.local_output)
     return model
 
 

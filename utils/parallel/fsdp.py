@@ -8,7 +8,7 @@
   which every rank writes its own shards. DCP reshards on load, so a run resumes on any number of
   ranks. The folder is written under a hidden name and renamed when complete, so ``--resume`` never
   picks a half-written one.
-- ``python -m utils.fsdp export CKPT_DIR OUT.pt`` turns such a folder into one file with the layout of
+- ``python -m utils.parallel.fsdp export CKPT_DIR OUT.pt`` turns such a folder into one file with the layout of
   train.py's checkpoints (``{"model": state_dict, "optimizer": ...}``), on one process and without a
   process group: ``build_model(cfg).load_state_dict(torch.load(OUT.pt)["model"])`` and
   ``train.py --resume`` read it.
@@ -38,17 +38,15 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from utils.checkpoint import (DCP_METADATA, SHARDED_CHECKPOINT_NAME, CheckpointError, StorageError, TrainState,
-                              capture_rng_state, ensure_writable_dir, fsync_dir, replaced_atomically, restore_rng_state,
-                              write_failure)
+from utils.checkpoint import (DCP_METADATA, TEMP_PREFIX, CheckpointError, StorageError, TrainState, capture_rng_state,
+                              checkpoints_by_step, ensure_writable_dir, fsync_dir, replaced_atomically,
+                              restore_rng_state, write_failure)
 from utils.config import ConfigError
-from utils.distributed import barrier, ensure_process_group
+from utils.parallel.distributed import barrier, ensure_process_group
+from utils.parallel.plans import ac_units
 from utils.precision import DTYPES
-from utils.techniques import ac_units
 
 HSDP_DIMS = ("replicate", "shard")
-CHECKPOINT_DIR = SHARDED_CHECKPOINT_NAME
-TEMP_PREFIX = ".tmp-step_"
 
 
 # ----------------------------------------------------------------------------- sharding
@@ -209,22 +207,10 @@ def _is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _checkpoints_by_step(ckpt_dir: Path) -> list[tuple[int, Path]]:
-    """Complete DCP checkpoint folders in ``ckpt_dir``, oldest step first."""
-    if not ckpt_dir.is_dir():
-        return []
-    found = []
-    for entry in ckpt_dir.iterdir():
-        match = CHECKPOINT_DIR.match(entry.name)
-        if match and (entry / DCP_METADATA).is_file():
-            found.append((int(match.group(1)), entry))
-    return sorted(found)
-
-
 def latest_sharded_checkpoint(ckpt_dir) -> Optional[Path]:
     """The complete DCP checkpoint with the highest step, or None; single-file checkpoints are an error."""
     ckpt_dir = Path(ckpt_dir)
-    found = _checkpoints_by_step(ckpt_dir)
+    found = checkpoints_by_step(ckpt_dir, sharded=True)
     if not found and ckpt_dir.is_dir() and any(ckpt_dir.glob("step_*.pt")):
         raise CheckpointError(f"{ckpt_dir} holds single-file checkpoints (train.py / train_ddp.py), which "
                               "train_fsdp.py does not resume: resume with the script that wrote them, or "
@@ -265,7 +251,7 @@ def save_sharded_checkpoint(ckpt_dir, step: int, payload: dict, keep: int = 2) -
         os.replace(temp, final)
         fsync_dir(ckpt_dir)
         if keep >= 1:
-            older = [path for _, path in _checkpoints_by_step(ckpt_dir) if path != final]
+            older = [path for _, path in checkpoints_by_step(ckpt_dir, sharded=True) if path != final]
             for path in older[: max(0, len(older) - (keep - 1))]:
                 shutil.rmtree(path, ignore_errors=True)
     barrier()  # nobody runs ahead (or exits) before the checkpoint is in place
@@ -349,7 +335,7 @@ def export_full_state_dict(checkpoint, out) -> Path:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m utils.fsdp",
+    parser = argparse.ArgumentParser(prog="python -m utils.parallel.fsdp",
                                      description="Tools for train_fsdp.py's sharded (DCP) checkpoints.")
     commands = parser.add_subparsers(dest="command", required=True)
     export = commands.add_parser("export", help="write a DCP checkpoint folder as one train.py-style .pt file")

@@ -6,10 +6,10 @@
   features = the long skip, input), so middle stages pass the skip on untouched and the last stage
   adds ``conv_after_body(features) + skip``, upsamples and crops to the input's size; the ViT: the
   units are its transformer blocks and the carry is (tokens,). Stage s holds a contiguous run of
-  units, plus the stem if it is the first and the tail if it is the last (``PLANS`` names them).
+  units, plus the stem if it is the first and the tail if it is the last (its row in utils/parallel/plans.py names them).
 - A stage is a copy of the model object that keeps only its own parts, under the model's parameter
   names (``layers.3.…``): the ranks' checkpoint shards together are the whole model's, so DCP
-  reshards them into any layout and ``python -m utils.fsdp export`` makes a train.py file.
+  reshards them into any layout and ``python -m utils.parallel.fsdp export`` makes a train.py file.
 - Balance: units are split into contiguous runs minimising the largest stage's parameter count (the
   stem counted with the first stage, the tail with the last): parameters set a stage's memory for
   weights, gradients and AdamW state, and for transformer blocks of one width also its FLOPs.
@@ -27,7 +27,6 @@ import contextlib
 import functools
 import time
 import types
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -39,9 +38,9 @@ from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe,
                                                     ScheduleZBVZeroBubble)
 
 from utils.config import ConfigError
-from utils.fsdp import sharded_payload
+from utils.parallel.fsdp import apply_fsdp, sharded_payload
+from utils.parallel.plans import StagePlan, model_plan
 from utils.precision import autocast
-from utils.techniques import apply_fsdp
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
              "zbv": ScheduleZBVZeroBubble}
@@ -49,28 +48,13 @@ STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zbv": 2}
 TIMED = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
 
-@dataclass(frozen=True)
-class StagePlan:
-    """Where a model is cut: the attribute holding its units, and what the first and last stages keep."""
-
-    units: str
-    stem: tuple[str, ...]
-    tail: tuple[str, ...]
-
-
-PLANS = {
-    "SwinIR": StagePlan("layers", stem=("conv_first", "patch_embed", "absolute_pos_embed", "pos_drop"),
-                        tail=("norm", "conv_after_body", "conv_before_upsample", "upsample", "conv_last",
-                              "conv_up1", "conv_up2", "conv_hr", "lrelu")),
-    "ViT": StagePlan("transformer", stem=("patch_embed", "pos_embed"), tail=("norm", "head")),
-}
-
-
 def plan_for(model: nn.Module) -> StagePlan:
-    try:
-        return PLANS[type(model).__name__]
-    except KeyError:
-        raise ConfigError(f"no pipeline plan for {type(model).__name__}: add one to utils/pipeline_parallel.PLANS") from None
+    """The model's stage plan (its row in utils/parallel/plans.py); refused in one line without one."""
+    plan = model_plan(model).stages
+    if plan is None:
+        raise ConfigError(f"no pipeline plan for {type(model).__name__}: add stages to its row in "
+                          "utils/parallel/plans.PLANS")
+    return plan
 
 
 def bubble_theory(schedule: str, pp: int, microbatches: int) -> float:
@@ -289,7 +273,7 @@ class Pipeline:
         return view
 
     def payload(self, optimizer, scheduler, scaler, state, cfg) -> dict:
-        """``utils.fsdp.sharded_payload`` of this rank's parameters, with each optimizer param group
+        """``utils.parallel.fsdp.sharded_payload`` of this rank's parameters, with each optimizer param group
         listing the whole model's parameter names: DCP writes such a list once (rank 0's), so it must
         be the same on every rank; loading into any layout picks its own names from it."""
         payload = sharded_payload(self.local_model(), optimizer, scheduler, scaler, state, cfg)

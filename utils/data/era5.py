@@ -27,7 +27,6 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -36,7 +35,14 @@ import h5py
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+from torch.utils.data import DataLoader, Dataset
+
+from models import fixed_input_size  # the one fact about models the data layer needs
+from utils.config import ConfigError
+from utils.data.common import (DataError, LazyH5, SubsetWithEpoch, build_dataloader, evenly_spaced, h5_reason, open_h5,
+                               relative_note, splitmix64, stable_hash)
+from utils.data.device_pipeline import on_device
+from utils.parallel.domain_parallel import BICUBIC_REACH
 
 SUPERBENCH_MEAN = (6.3024, 278.3945, 18.4262)
 SUPERBENCH_STD = (3.7376, 21.0588, 16.4687)
@@ -55,44 +61,7 @@ STAND_IN = ("python datasets/make_synthetic_era5.py --out {root}{layout} --sampl
 HOW_TO_GET_DATA = ("see datasets/README.md for the real data, or generate a stand-in: `"
                    + STAND_IN.format(root="{root}", layout="", height=181, width=360) + "`")
 
-
-class DataError(ValueError):
-    """A data problem, as one line naming the path, what is wrong and what to do.
-
-    Raised in a DataLoader worker, it reaches the main process re-wrapped with the worker's
-    traceback; the constructor keeps only the original message so the one-line promise holds.
-    """
-
-    def __init__(self, message: str):
-        super().__init__(_original_message(str(message)))
-
-
-def _original_message(message: str) -> str:
-    if "Original Traceback" not in message:
-        return message
-    last = [line for line in message.splitlines() if line.strip()][-1]
-    _, sep, rest = last.partition("DataError: ")
-    return rest if sep else last
-
-
-def _h5_reason(error: Exception) -> str:
-    """h5py's first line, without its errno prefix: "truncated file: eof = ...", "file signature not found"."""
-    text = str(error).splitlines()[0] if str(error) else type(error).__name__
-    return text.split("(", 1)[-1].rstrip(")") if text.startswith("Unable to") else text
-
-
-def _open_h5(path: Path) -> h5py.File:
-    # Default locking on purpose: HDF5 refuses a second open of one file in a process with other
-    # flags. Where the file system has no flock (some Lustre mounts), export HDF5_USE_FILE_LOCKING=FALSE.
-    try:
-        return h5py.File(path, "r")
-    except PermissionError:
-        raise DataError(f"{path}: permission denied; make the file readable (chmod a+r) or copy it") from None
-    except OSError as e:
-        raise DataError(
-            f"{path}: cannot be read as HDF5 ({_h5_reason(e)}); the file is truncated or corrupt: "
-            "download or generate it again"
-        ) from None
+_TRAIN_STREAM, _VALID_STREAM = 1, 2  # crops of the training and validation sets (STEP_STREAM is 3)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -111,7 +80,7 @@ class YearFile:
 
 
 def _describe(path: Path) -> YearFile:
-    with _open_h5(path) as f:
+    with open_h5(path) as f:
         if FIELDS_KEY not in f:
             found = ", ".join(sorted(f.keys())) or "nothing"
             raise DataError(
@@ -201,34 +170,12 @@ def bicubic_downsample(hr: torch.Tensor, factor: int) -> torch.Tensor:
     return lr if hr.dim() == 4 else lr.squeeze(0)
 
 
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    """One step of splitmix64: a cheap, well-mixed 64-bit hash, the same in every process."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def stable_hash(*values: int) -> int:
-    """A 64-bit hash of integers, the same in every process and run (unlike Python's hash)."""
-    h = 0
-    for v in values:
-        h = _splitmix64(h ^ (v & _MASK64))
-    return h
-
-
-_TRAIN_STREAM, _VALID_STREAM, STEP_STREAM = 1, 2, 3  # keeps crops and model draws unrelated
-
-
 # ----------------------------------------------------------------------------------------------
 # Dataset
 # ----------------------------------------------------------------------------------------------
 
 
-class ERA5Dataset(Dataset):
+class ERA5Dataset(LazyH5, Dataset):
     """SuperBench's ERA5 split folder as (input, target) pairs; see the module docstring.
 
     Length: ``days * n_patches`` with crops (SuperBench's arithmetic: 4 files x 365 days x 8 =
@@ -237,10 +184,10 @@ class ERA5Dataset(Dataset):
     ``channels``: the channel count the model expects (checked against the files when given).
 
     ``read="whole"`` reads the whole day and then crops, as SuperBench; only for benchmarks.
-    ``bands`` (task "sr", domain parallelism: utils/domain_parallel.py): return only this rank's band of
+    ``bands`` (task "sr", domain parallelism: utils/parallel/domain_parallel.py): return only this rank's band of
     rows of each pair, reading only those rows and the two the bicubic downsampling reaches beyond them.
     ``highres_only`` (task "sr", device_transforms): items are ``(high-res,)``; the training loop's device makes
-    the low-res input (utils/device_pipeline.py).
+    the low-res input (utils/data/device_pipeline.py).
     """
 
     def __init__(self, split_dir, task: str = "sr", upscale: int = 2, crop_size: int = 128, n_patches: int = 8,
@@ -282,8 +229,6 @@ class ERA5Dataset(Dataset):
                             f"holds {longest}; use a smaller --lead or files with more samples")
         # Shared memory: set_epoch in the main process reaches the (persistent) worker processes.
         self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
-        self._handles: dict[int, tuple[h5py.File, h5py.Dataset]] = {}
-        self._pid = os.getpid()
 
     def _check_geometry(self) -> None:
         field = f"{self.height}x{self.width} field (after dropping the last latitude row)"
@@ -329,23 +274,13 @@ class ERA5Dataset(Dataset):
             return 0, 0
         key = stable_hash(self.seed, _TRAIN_STREAM, self.epoch, index) if self.train else stable_hash(self.seed, _VALID_STREAM, index)
         rows, cols = self.height - self.crop_size + 1, self.width - self.crop_size + 1
-        return key % rows, _splitmix64(key) % cols
+        return key % rows, splitmix64(key) % cols
 
     # -- reading ---------------------------------------------------------------------------
 
     def _fields(self, file: int) -> h5py.Dataset:
         """The file's ``fields``, opened on first use in this process."""
-        if self._pid != os.getpid():
-            # A forked worker inherited the parent's handles: HDF5 handles must not cross fork.
-            self._handles, self._pid = {}, os.getpid()
-        if file not in self._handles:
-            path = self.files[file].path
-            h5 = _open_h5(path)
-            if not isinstance(h5.get(FIELDS_KEY), h5py.Dataset):
-                h5.close()
-                raise DataError(f"{path}: no dataset '{FIELDS_KEY}' any more; was the file replaced while training?")
-            self._handles[file] = (h5, h5[FIELDS_KEY])
-        return self._handles[file][1]
+        return self.h5_dataset(file, self.files[file].path, FIELDS_KEY)
 
     @property
     def sample_rows(self) -> int:
@@ -370,7 +305,7 @@ class ERA5Dataset(Dataset):
                 block = fields[day, :, rows, cols]  # HDF5 reads only this hyperslab
         except (OSError, RuntimeError) as e:
             raise DataError(
-                f"{self.files[file].path}: cannot read day {day} ({_h5_reason(e)}); the file is truncated "
+                f"{self.files[file].path}: cannot read day {day} ({h5_reason(e)}); the file is truncated "
                 "or corrupt: download or generate it again"
             ) from None
         return torch.from_numpy(np.ascontiguousarray(block, dtype=np.float32))
@@ -393,7 +328,6 @@ class ERA5Dataset(Dataset):
 
     def _band_pair(self, file: int, day: int, row: int, col: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(low-res band, high-res band) of this rank, equal to those rows of the whole pair."""
-        from utils.domain_parallel import BICUBIC_REACH
 
         s = self.upscale
         start, stop = self.bands.bounds(self.sample_rows // s)  # low-res rows
@@ -402,25 +336,6 @@ class ERA5Dataset(Dataset):
         x = self.read_field(file, day, row + low, col, height=high - low)
         lr = bicubic_downsample(x, s)[:, start - low // s:stop - low // s]
         return lr.contiguous(), x[:, s * start - low:s * stop - low].contiguous()
-
-    def close(self) -> None:
-        """Close the HDF5 files this process opened (a later read reopens them)."""
-        if self._pid == os.getpid():
-            for h5, _ in self._handles.values():
-                h5.close()
-        self._handles = {}
-
-    def __getstate__(self):
-        # Pickled into spawned workers: handles stay behind, the shared epoch travels.
-        state = self.__dict__.copy()
-        state["_handles"] = {}
-        return state
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown: h5py may already be gone
-            pass
 
     def __repr__(self) -> str:
         crop = f"{self.crop_size}x{self.crop_size} crops x {self.patches_per_day}/day" if self.crop_size else "whole fields"
@@ -431,73 +346,6 @@ class ERA5Dataset(Dataset):
 # ----------------------------------------------------------------------------------------------
 # Sampler and loaders
 # ----------------------------------------------------------------------------------------------
-
-
-class ResumableDistributedSampler(DistributedSampler):
-    """DistributedSampler (same permutation of seed + epoch) that can start mid-epoch.
-
-    Rank r takes positions r, r + N, r + 2N, ... of the epoch's permutation, so the k-th local
-    batches of N ranks together are exactly the k-th global batch of one process that uses
-    ``num_replicas=1`` and a batch N times larger (with ``drop_last`` on both). ``set_epoch`` also
-    sets the dataset's epoch (its crops) when the dataset has ``set_epoch``.
-    """
-
-    def __init__(self, dataset, num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False, batch_size: int = 1):
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
-        self.batch_size = batch_size
-        self.start_index = 0
-
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        """Select the epoch and skip this rank's first ``start_batch`` batches of it (resume)."""
-        if start_batch < 0:
-            raise ValueError(f"start_batch must be >= 0, got {start_batch}")
-        super().set_epoch(epoch)
-        self.start_index = min(start_batch * self.batch_size, self.num_samples)
-        if hasattr(self.dataset, "set_epoch"):
-            self.dataset.set_epoch(epoch)
-
-    def __iter__(self):
-        return itertools.islice(super().__iter__(), self.start_index, None)
-
-    def padding_mask(self, start: int, count: int) -> torch.Tensor:
-        """True for the real samples among this rank's samples ``start .. start + count - 1`` (of this epoch).
-
-        Without drop_last, DistributedSampler repeats samples so every rank gets as many: the repeats
-        sit at global positions >= len(dataset). Evaluation leaves them out, so its metrics do not
-        depend on the number of ranks, while every rank still runs the same number of batches.
-        """
-        positions = self.rank + (self.start_index + start + torch.arange(count)) * self.num_replicas
-        return positions < len(self.dataset)
-
-    def __len__(self) -> int:
-        return self.num_samples - self.start_index
-
-
-def build_dataloader(dataset, batch_size: int, *, shuffle: bool, seed: int = 0, rank: int = 0, world_size: int = 1,
-                     num_workers: int = 0, pin_memory: bool = False, persistent_workers: bool = False,
-                     prefetch_factor: int = 2, drop_last: bool = False) -> DataLoader:
-    """DataLoader over a ResumableDistributedSampler (``loader.sampler``) of the global rank.
-
-    The loader has its own torch.Generator: by default every ``iter(loader)`` draws a worker seed
-    from the global RNG, which would shift the model's random stream (dropout, drop path) by when
-    epochs start, and break bit-exact resumption.
-
-    ``batch_size`` is per rank. Call ``loader.sampler.set_epoch(epoch[, start_batch])`` before each
-    epoch. Worker options apply only with ``num_workers > 0``; pinning only when CUDA is present.
-    """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
-    sampler = ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
-                                          drop_last=drop_last, batch_size=batch_size)
-    workers = {}
-    if num_workers > 0:
-        workers = dict(persistent_workers=persistent_workers, prefetch_factor=prefetch_factor)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                      pin_memory=pin_memory and torch.cuda.is_available(), drop_last=drop_last,
-                      generator=torch.Generator().manual_seed(seed), **workers)
 
 
 def read_stats(root, channels: int) -> tuple[list[float], list[float]]:
@@ -547,7 +395,6 @@ def read_climatology(root, channels: int, height: int, width: int) -> np.ndarray
 
 def stand_in_command(cfg) -> str:
     """The generator command whose output this config reads: its channels, time step, grid and split names."""
-    from models import fixed_input_size
 
     d, m = cfg.data, cfg.model
     layout = {3: "", 20: " --channels nersc20"}.get(m.in_chans, f" --channels {m.in_chans}")
@@ -563,16 +410,6 @@ def stand_in_command(cfg) -> str:
     return command
 
 
-def _relative_note(path: Path) -> str:
-    """For a relative path that does not exist: where it was looked for, and whether the repository has it."""
-    repo = Path(__file__).resolve().parent.parent
-    if path.is_absolute() or Path.cwd().resolve() == repo:
-        return ""
-    in_repo = repo / path
-    there = "exists there: run from the repository" if in_repo.exists() else "is not there either"
-    return f" (relative to the current directory {Path.cwd()}; from the repository root {in_repo} {there})"
-
-
 def resolve_from_data(cfg) -> list[YearFile]:
     """Fill in what the config leaves to the data, and check what it states against the data.
 
@@ -580,14 +417,12 @@ def resolve_from_data(cfg) -> list[YearFile]:
     ``<data_dir>/stats``), so the model, the logs and the checkpoint's config all agree with the data.
     Raises DataError/ConfigError (one line) when the data and the config disagree. Returns the training files.
     """
-    from models import fixed_input_size  # the one fact about models the data layer needs
-    from utils.config import ConfigError
 
     d, m = cfg.data, cfg.model
     root = Path(d.data_dir)
     for folder in (root, root / d.train_split, root / d.valid_split):
         if not folder.is_dir():
-            raise DataError(f"{folder} does not exist{_relative_note(folder)}: see datasets/README.md for the real "
+            raise DataError(f"{folder} does not exist{relative_note(folder)}: see datasets/README.md for the real "
                             f"data, or generate a stand-in that this config reads: `{stand_in_command(cfg)}`")
     files = scan_split(root / d.train_split)
     first = files[0]
@@ -613,16 +448,7 @@ def resolve_from_data(cfg) -> list[YearFile]:
     return files
 
 
-def evenly_spaced(dataset, samples: int, subset: type[Subset] = Subset):
-    """``samples`` samples spread over the whole dataset (all of it when 0 or larger), so a short run still
-    spans the seasons."""
-    if not samples or samples >= len(dataset):
-        return dataset
-    stride = len(dataset) / samples
-    return subset(dataset, [int(i * stride) for i in range(samples)])
-
-
-def build_loaders(cfg, rank: int = 0, world_size: int = 1, bands=None) -> tuple[DataLoader, DataLoader]:
+def build_era5_loaders(cfg, rank: int = 0, world_size: int = 1, bands=None) -> tuple[DataLoader, DataLoader]:
     """(train, validation) loaders of this rank from a utils.config.Config; with ``bands``, of this rank's
     band of each sample (SwinIR's domain parallelism).
 
@@ -631,10 +457,6 @@ def build_loaders(cfg, rank: int = 0, world_size: int = 1, bands=None) -> tuple[
     ``train_samples`` and validation ``val_samples`` evenly spaced samples (0 = all), validation in
     order, with fixed crops.
     """
-    if cfg.data.task == "volume":  # Part III: crops of one simulation box
-        from utils.volume_data import build_volume_loaders
-
-        return build_volume_loaders(cfg, rank, world_size)
     d, seed, global_batch = cfg.data, cfg.train.seed, cfg.train.batch_size
     root = Path(d.data_dir)
     resolve_from_data(cfg)
@@ -646,12 +468,11 @@ def build_loaders(cfg, rank: int = 0, world_size: int = 1, bands=None) -> tuple[
     per_rank = global_batch // world_size
     common = dict(task=d.task, upscale=cfg.model.upscale, crop_size=d.crop_size, n_patches=d.n_patches, seed=seed,
                   lead=d.lead, channels=cfg.model.in_chans, bands=bands)
-    from utils.device_pipeline import on_device
 
     # Else nothing to move (forecast: normalised in the model); bands with it: the dataset says what to do.
     highres_only = d.device_transforms and d.task == "sr"
     train_set = evenly_spaced(ERA5Dataset(root / d.train_split, train=True, highres_only=highres_only, **common),
-                              d.train_samples, _SubsetWithEpoch)
+                              d.train_samples, SubsetWithEpoch)
     valid_set = evenly_spaced(ERA5Dataset(root / d.valid_split, train=False, **common), d.val_samples)
     workers = dict(num_workers=d.num_workers, pin_memory=d.pin_memory, persistent_workers=d.persistent_workers,
                    prefetch_factor=d.prefetch_factor)
@@ -669,8 +490,3 @@ def build_loaders(cfg, rank: int = 0, world_size: int = 1, bands=None) -> tuple[
     return on_device(train_loader, cfg, downsample), valid_loader
 
 
-class _SubsetWithEpoch(Subset):
-    """A Subset of an ERA5Dataset that still takes ``set_epoch`` (new training crops each epoch)."""
-
-    def set_epoch(self, epoch: int) -> None:
-        self.dataset.set_epoch(epoch)

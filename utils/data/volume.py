@@ -24,7 +24,6 @@ already on the device, which the training scripts' ``.to(device)`` leaves as the
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -34,13 +33,14 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from utils.data import DataError, _h5_reason, _open_h5, _relative_note, build_dataloader, stable_hash
-from utils.device_pipeline import on_device
+from utils.config import ConfigError
+from utils.data.common import DataError, LazyH5, build_dataloader, h5_reason, open_h5, relative_note, stable_hash
+from utils.data.device_pipeline import on_device
 
 INPUT_KEY, TARGET_KEY = "Nbody", "Hydro"  # SC22's dataset names
 NAMES_ATTR, VECTORS_ATTR, MEAN_ATTR = "channels", "vectors", "mean"
 AUGMENT_MODES = ("none", "host", "device")
-_TRAIN_STREAM, _VALID_STREAM = 11, 12  # crops of the volume, unrelated to utils.data's streams
+_TRAIN_STREAM, _VALID_STREAM = 11, 12  # crops of the volume, unrelated to ERA5's streams
 
 STAND_IN = "python datasets/make_synthetic_volume.py --out {root} --train-side 96 --valid-side 64 --seed 0"
 """The one recipe for the quickstart's stand-in (the Makefile's `data-unet`, datasets/README.md, the errors)."""
@@ -128,7 +128,7 @@ def describe_volume(path) -> VolumeFile:
     path = Path(path)
     expected = (f"expected datasets '{INPUT_KEY}' (input channels, N, N, N) and '{TARGET_KEY}' (target channels, "
                 "N, N, N) over one grid, as SC22's files")
-    with _open_h5(path) as f:
+    with open_h5(path) as f:
         missing = [key for key in (INPUT_KEY, TARGET_KEY) if not isinstance(f.get(key), h5py.Dataset)]
         if missing:
             found = ", ".join(sorted(f.keys())) or "nothing"
@@ -167,13 +167,13 @@ def check_channels(file: VolumeFile, in_chans: int, out_chans: int) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-class VolumeDataset(Dataset):
+class VolumeDataset(LazyH5, Dataset):
     """Cubic (input, target) crops of one box; see the module docstring.
 
     Length: ``samples`` crops, or with 0 the ``(side // crop_size)³`` crops that tile the box (validation
     then reads exactly those, every voxel once). ``augment``: "none", "host" (the symmetry is applied
     here) or "device" (items are ``(input, target, code)``: the training loader's
-    device-side transform applies it: utils/device_pipeline.py).
+    device-side transform applies it: utils/data/device_pipeline.py).
     Validation (``train=False``) never augments.
     """
 
@@ -193,8 +193,6 @@ class VolumeDataset(Dataset):
         self.length = samples or self.tiles ** 3
         self.tiled = not samples
         self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()  # set_epoch reaches persistent workers
-        self._h5: Optional[h5py.File] = None
-        self._pid = os.getpid()
 
     def __len__(self) -> int:
         return self.length
@@ -225,14 +223,12 @@ class VolumeDataset(Dataset):
         return stable_hash(self._draw(index), 3) % NUM_SYMMETRIES if self.augment != "none" else 0
 
     def _read(self, key: str, origin: tuple[int, int, int]) -> torch.Tensor:
-        if self._h5 is None or self._pid != os.getpid():  # opened in the process that reads (each worker its own)
-            self._h5, self._pid = _open_h5(self.file.path), os.getpid()
         z, y, x = origin
         s = self.crop_size
         try:
-            block = self._h5[key][:, z:z + s, y:y + s, x:x + s]  # HDF5 reads only this hyperslab
+            block = self.h5_dataset(key, self.file.path, key)[:, z:z + s, y:y + s, x:x + s]  # only this hyperslab
         except (OSError, RuntimeError) as e:
-            raise DataError(f"{self.file.path}: cannot read '{key}' ({_h5_reason(e)}); the file is truncated or "
+            raise DataError(f"{self.file.path}: cannot read '{key}' ({h5_reason(e)}); the file is truncated or "
                             "corrupt: download or generate it again") from None
         return torch.from_numpy(np.ascontiguousarray(block, dtype=np.float32))
 
@@ -251,22 +247,6 @@ class VolumeDataset(Dataset):
             target = apply_symmetry(target, code, self.file.vectors[TARGET_KEY])
         return inputs, target
 
-    def close(self) -> None:
-        if self._h5 is not None and self._pid == os.getpid():
-            self._h5.close()
-        self._h5 = None
-
-    def __getstate__(self):
-        state = self.__dict__.copy()  # pickled into spawned workers: the handle stays, the shared epoch travels
-        state["_h5"] = None
-        return state
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown: h5py may already be gone
-            pass
-
     def __repr__(self) -> str:
         where = "tiling the box" if self.tiled and not self.train else "anywhere"
         return (f"VolumeDataset({self.file.path}, {self.file.side}³ box, {len(self)} crops of {self.crop_size}³ "
@@ -281,14 +261,13 @@ class VolumeDataset(Dataset):
 def resolve_volume(cfg) -> VolumeFile:
     """Check the config against both split files and fill in ``channel_names`` (the targets'); returns the
     training file."""
-    from utils.config import ConfigError
 
     d, m = cfg.data, cfg.model
     files = []
     for split in (d.train_split, d.valid_split):
         path = split_path(d.data_dir, split)
         if not path.is_file():
-            raise DataError(f"{path} does not exist{_relative_note(path)}: see datasets/README.md for SC22's data, or "
+            raise DataError(f"{path} does not exist{relative_note(path)}: see datasets/README.md for SC22's data, or "
                             f"generate a stand-in: `{STAND_IN.format(root=d.data_dir)}`")
         files.append(describe_volume(path))
         check_channels(files[-1], m.in_chans, m.out_chans)

@@ -1,0 +1,24 @@
+"""The data layer: files on disk -> (input, target) batches on the device.
+
+- ``common.py``: what every dataset shares: the one-line ``DataError``, HDF5 handles opened lazily per
+  process, a stable hash for crops and random streams, the resumable distributed sampler and loader.
+- ``era5.py``: gridded fields (Part I's super-resolution, Part II's forecasting) and what the config
+  takes from them (channel names, normalisation statistics).
+- ``volume.py``: Part III's simulation boxes (3-D crops and their symmetries).
+- ``device_pipeline.py``: transforms on the device and a look-ahead copy of the next batch.
+
+:func:`build_loaders` is what the training scripts call: it picks the dataset from the config's task.
+"""
+
+from __future__ import annotations
+
+from utils.data.era5 import build_era5_loaders
+from utils.data.volume import build_volume_loaders
+
+
+def build_loaders(cfg, rank: int = 0, world_size: int = 1, bands=None):
+    """(train, validation) loaders of this rank for ``cfg.data.task``; ``bands``: this rank's band of each
+    sample (SwinIR's domain parallelism; the gridded tasks only)."""
+    if cfg.data.task == "volume":  # Part III: crops of one simulation box
+        return build_volume_loaders(cfg, rank, world_size)
+    return build_era5_loaders(cfg, rank, world_size, bands)

@@ -1,0 +1,143 @@
+"""What is model-specific in the parallel techniques: one row per model, keyed by its class name.
+
+The techniques (``techniques.py``: AC and compile; ``fsdp.py``; ``tensor_parallel.py``;
+``context_parallel.py`` and ``domain_parallel.py``; ``pipeline_parallel.py``) are written once for every
+model and read only a model's row here; the models themselves know nothing of parallelism. A new model
+is a model file, a config, a task entry (utils/tasks.py) and a row in :data:`PLANS`; a row may leave a
+technique out (None), and the technique then refuses the model in one line.
+
+Each row says:
+
+- ``units``: the modules that activation checkpointing, torch.compile and FSDP2 wrap one by one, by unit
+  name ("block": every transformer block or U-Net level; "layer": SwinIR's residual groups, RSTBs).
+- ``tp``: the tensor-parallel plan (DTensor ``ParallelStyle`` per module name, which attention modules
+  hold heads to split, and whether their q, k, v are one fused Linear).
+- ``cp``: what context parallelism splits: "tokens" (the ViT: latitude bands of patch tokens, inside the
+  model) or "fields" (SwinIR: latitude bands of the input field, domain parallelism with halos).
+- ``stages``: where a pipeline may cut the model (the attribute holding its units, what the first stage
+  keeps before them and the last after them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+from utils.config import ConfigError
+
+
+UNITS = ("block", "layer")  # the unit names of the configs' ac and fsdp_unit keys
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Where a model is cut: the attribute holding its units, and what the first and last stages keep."""
+
+    units: str
+    stem: tuple[str, ...]
+    tail: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """How tensor parallelism splits a model (utils/parallel/tensor_parallel.py applies it)."""
+
+    styles: Callable[[nn.Module], dict]
+    """model -> {module name: ParallelStyle} for ``parallelize_module``."""
+    heads: Callable[[nn.Module], list[int]]
+    """The head count of each attention: every one must divide by tp (each rank holds whole heads)."""
+    fused_qkv: Callable[[nn.Module], list[nn.Module]] = lambda model: []
+    """Attention modules whose q, k and v are one Linear: split by rows, then regrouped by heads."""
+    local_output: bool = False
+    """Replicated modules hand plain tensors on (the model's code between layers expects them)."""
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    units: dict[str, Callable[[nn.Module], list[nn.Module]]] = field(default_factory=dict)
+    tp: Optional[TensorParallelPlan] = None
+    cp: Optional[str] = None
+    stages: Optional[StagePlan] = None
+
+
+def vit_styles(model: nn.Module) -> dict:
+    """The ViT's plan (Megatron's split plus sequence parallelism; see utils/parallel/tensor_parallel.py)."""
+    gathered = dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    plan = {
+        "transformer.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                            use_local_output=False),
+        "norm": SequenceParallel(),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    for i in range(len(model.transformer)):
+        block = f"transformer.{i}"
+        plan.update({
+            f"{block}.norm1": SequenceParallel(),
+            f"{block}.attn": PrepareModuleInput(**gathered),
+            **{f"{block}.attn.{name}": ColwiseParallel() for name in ("q", "k", "v")},
+            f"{block}.attn.proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            f"{block}.norm2": SequenceParallel(),
+            f"{block}.mlp": PrepareModuleInput(**gathered),
+            f"{block}.mlp.fc1": ColwiseParallel(),
+            f"{block}.mlp.fc2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        })
+    return plan
+
+
+def swinir_styles(model: nn.Module) -> dict:
+    """SwinIR's plan for every Swin block: the window attention by heads, the MLP by its hidden units.
+
+    Without sequence parallelism: the cyclic shift and the window partition reorder the tokens in every
+    block, so a token-sharded residual stream would be all-gathered there anyway. The fused qkv linear
+    is ColwiseParallel (its checkpoint layout unchanged), which gives each rank a contiguous 1/tp of the
+    rows q|k|v rather than whole heads; the row's ``fused_qkv`` has them regrouped by heads.
+    """
+    plan = {}
+    for name, module in model.named_modules():
+        if type(module).__name__ == "WindowAttention":
+            plan.update({f"{name}.qkv": ColwiseParallel(use_local_output=False), f"{name}.proj": RowwiseParallel()})
+        elif type(module).__name__ == "SwinTransformerBlock":
+            plan.update({f"{name}.mlp.fc1": ColwiseParallel(), f"{name}.mlp.fc2": RowwiseParallel()})
+    return plan
+
+
+PLANS = {
+    "SwinIR": ModelPlan(
+        units={"block": lambda model: model.blocks(), "layer": lambda model: model.rstb_layers()},
+        tp=TensorParallelPlan(swinir_styles, heads=lambda model: [b.attn.num_heads for b in model.swin_blocks()],
+                              fused_qkv=lambda model: [b.attn for b in model.swin_blocks()], local_output=True),
+        cp="fields",
+        stages=StagePlan("layers", stem=("conv_first", "patch_embed", "absolute_pos_embed", "pos_drop"),
+                         tail=("norm", "conv_after_body", "conv_before_upsample", "upsample", "conv_last",
+                               "conv_up1", "conv_up2", "conv_hr", "lrelu")),
+    ),
+    "ViT": ModelPlan(
+        units={"block": lambda model: model.blocks()},
+        tp=TensorParallelPlan(vit_styles, heads=lambda model: [b.attn.q.out_features // b.attn.head_dim
+                                                                for b in model.transformer]),
+        cp="tokens",
+        stages=StagePlan("transformer", stem=("patch_embed", "pos_embed"), tail=("norm", "head")),
+    ),
+    "UNet3D": ModelPlan(units={"block": lambda model: model.blocks()}),
+}
+
+
+def model_plan(model: nn.Module) -> ModelPlan:
+    """The model's row; a model without one has none of the techniques' plans (each refuses it in one line)."""
+    return PLANS.get(type(model).__name__, ModelPlan())
+
+
+def ac_units(model: nn.Module, unit: str) -> list[nn.Module]:
+    """The modules a technique wraps one by one (AC, FSDP2): unit "block" or "layer" of the model's row."""
+    if unit not in UNITS:
+        raise ValueError(f"unit must be 'block' or 'layer', got {unit!r}")
+    units = model_plan(model).units
+    if unit not in units:
+        other = " / ".join(f"--ac {name} / --fsdp_unit {name}" for name in units)
+        raise ConfigError(f"unit {unit!r} is not one of the {type(model).__name__}'s units ({', '.join(units)}): "
+                          f"use {other}")
+    return list(units[unit](model))
