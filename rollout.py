@@ -37,7 +37,7 @@ from utils.checkpoint import (CheckpointError, ensure_writable_dir, latest_check
                               replaced_atomically, reporting_write_failures)
 from utils.config import Config, ConfigError, build_config, load_named_configs
 from utils.data import FIELDS_KEY, DataError, ERA5Dataset, evenly_spaced, scan_split
-from utils.metrics import json_safe
+from utils.observe.logger import json_safe
 from utils.precision import autocast
 from utils.tasks import Forecast, build_task
 from utils.training import configure_backends, pick_device, run_cli

@@ -26,8 +26,8 @@ from utils.checkpoint import (CheckpointError, TrainState, latest_checkpoint, lo
 from utils.config import parse_config
 from utils.data import build_loaders
 from utils.distributed import all_reduce_max, all_reduce_mean, barrier, cleanup_distributed, init_distributed
-from utils.metrics import (MetricsLogger, device_peak_flops, mfu, peak_memory_gb, reset_peak_memory,
-                           train_flops_per_sample)
+from utils.observe.flops import device_peak_flops, mfu, peak_memory_gb, reset_peak_memory, train_flops_per_sample
+from utils.observe.logger import MetricsLogger
 from utils.precision import autocast, make_grad_scaler
 from utils.tasks import build_task
 from utils.techniques import apply_ac, apply_compile, apply_ddp

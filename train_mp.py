@@ -37,8 +37,8 @@ from utils.domain_parallel import band_loss, field_bands
 from utils.fsdp import (latest_sharded_checkpoint, load_sharded_checkpoint, memory_record, save_sharded_checkpoint,
                         sharded_payload)
 from utils.memory import SavedTensorBytes
-from utils.metrics import (MetricsLogger, device_peak_flops, mfu, peak_memory_gb, reset_peak_memory,
-                           train_flops_per_sample)
+from utils.observe.flops import device_peak_flops, mfu, peak_memory_gb, reset_peak_memory, train_flops_per_sample
+from utils.observe.logger import MetricsLogger
 from utils.precision import autocast, make_grad_scaler
 from utils.tasks import build_task
 from utils.techniques import apply_ac, apply_compile, apply_fsdp

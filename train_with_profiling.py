@@ -1,7 +1,7 @@
 """Step 0b — profiling: train.py plus torch.profiler ranges, memory timeline/snapshot and a throughput breakdown.
 
 Profiles by default (--profile false makes it train.py); files go to <run_dir>/profile/rank<r>_*; see
-utils/profiling.py and docs/part1-swinir.md, Step 0b, for what each shows and how to open it.
+utils/observe/profiling.py and docs/part1-swinir.md, Step 0b, for what each shows and how to open it.
 
 Launch (one process; CUDA if available, else CPU):
     python train_with_profiling.py --config quickstart --max_steps 20     # laptop: trace, memory timeline, summary
@@ -25,10 +25,10 @@ from utils.checkpoint import (CheckpointError, TrainState, latest_checkpoint, lo
                               save_checkpoint)
 from utils.config import parse_config
 from utils.data import build_loaders
-from utils.metrics import (MetricsLogger, device_peak_flops, mfu, peak_memory_gb, reset_peak_memory,
-                           train_flops_per_sample)
+from utils.observe.flops import device_peak_flops, mfu, peak_memory_gb, reset_peak_memory, train_flops_per_sample
+from utils.observe.logger import MetricsLogger
+from utils.observe.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling, throughput_breakdown
 from utils.precision import autocast, make_grad_scaler
-from utils.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling, throughput_breakdown
 from utils.tasks import build_task
 from utils.techniques import apply_ac, apply_compile
 from utils.training import (build_loss, build_optimizer, check_finite, checkpoint_payload, configure_backends,
