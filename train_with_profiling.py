@@ -1,7 +1,7 @@
 """Step 0b — profiling: train.py plus torch.profiler ranges, memory timeline/snapshot and a throughput breakdown.
 
 Profiles by default (--profile false makes it train.py); files go to <run_dir>/profile/rank<r>_*; see
-utils/profiling.py and docs/part1-swinir.md, Step 0b, for what each shows and how to open it.
+utils/observe/profiling.py and docs/part1-swinir.md, Step 0b, for what each shows and how to open it.
 
 Launch (one process; CUDA if available, else CPU):
     python train_with_profiling.py --config quickstart --max_steps 20     # laptop: trace, memory timeline, summary
@@ -29,7 +29,6 @@ from utils.metrics import (MetricsLogger, device_peak_flops, mfu, peak_memory_gb
                            train_flops_per_sample)
 from utils.parallel.techniques import apply_ac, apply_compile
 from utils.precision import autocast, make_grad_scaler
-from utils.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling, throughput_breakdown
 from utils.tasks import build_task
 from utils.training import (build_loss, build_optimizer, check_finite, checkpoint_payload, configure_backends,
                             pick_device, restore_payload, run_cli, seed_everything, seed_step, show_progress,

@@ -163,7 +163,7 @@ def run_with_checkpoint(root: Path) -> Path:
 
 
 def test_metrics_jsonl_and_tensorboard_keep_whole_records_and_say_one_line(small_disk, capfd):
-    from utils.metrics import MetricsLogger
+    from utils.observe.logger import MetricsLogger
 
     disk = small_disk(1_000_000)
     run = run_with_checkpoint(disk.root)
@@ -185,7 +185,7 @@ def test_metrics_jsonl_and_tensorboard_keep_whole_records_and_say_one_line(small
 
 
 def test_sample_picture_on_a_full_disk(small_disk):
-    from utils.metrics import save_sample_png
+    from utils.observe.pictures import save_sample_png
 
     disk = small_disk(1_000_000)
     run = run_with_checkpoint(disk.root)
@@ -197,8 +197,8 @@ def test_sample_picture_on_a_full_disk(small_disk):
 
 
 def test_profiler_trace_on_a_full_disk(small_disk):
-    from utils import profiling
     from utils.config import build_config
+    from utils.observe import profiling
 
     disk = small_disk(1_000_000)
     run = run_with_checkpoint(disk.root)

@@ -1,4 +1,4 @@
-"""utils/metrics.py: logs (JSON lines, TensorBoard, console), FLOPs and MFU, memory, RMSE, sample images."""
+"""utils/observe/: logs (JSON lines, TensorBoard, console), FLOPs and MFU, memory, RMSE, sample images."""
 
 import json
 import os
@@ -10,10 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from utils import metrics
-from utils.metrics import (MetricsLogger, RMSEAccumulator, bicubic_upsample, device_peak_flops, gpu_spec_peak_flops,
-                           measure_matmul_flops, mfu, peak_memory_gb, reset_peak_memory, save_sample_png,
-                           train_flops_per_sample)
+from utils.observe import flops, scores
+from utils.observe.flops import (device_peak_flops, gpu_spec_peak_flops, measure_matmul_flops, mfu, peak_memory_gb,
+                                 reset_peak_memory, train_flops_per_sample)
+from utils.observe.logger import MetricsLogger
+from utils.observe.pictures import save_sample_png
+from utils.observe.scores import RMSEAccumulator, bicubic_upsample
 
 # ----------------------------------------------------------------------------------------- logger
 
@@ -149,14 +151,14 @@ def test_gpu_spec_table(name, precision, tflops):
 
 
 def test_device_peak_flops_cpu_is_measured_once(monkeypatch):
-    metrics._peak_cache.clear()
+    flops._peak_cache.clear()
     peak = device_peak_flops("cpu", "none")  # the amp_dtype spelling of float32
     assert 1e8 < peak < 1e14  # 0.1 GFLOP/s .. 100 TFLOP/s: a plausible CPU
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("the peak should come from the cache")
 
-    monkeypatch.setattr(metrics, "measure_matmul_flops", must_not_run)
+    monkeypatch.setattr(flops, "measure_matmul_flops", must_not_run)
     assert device_peak_flops(torch.device("cpu"), torch.float32) == peak
     with pytest.raises(ValueError, match="unknown dtype"):
         device_peak_flops("cpu", "fp8")
@@ -233,12 +235,12 @@ def test_rmse_all_reduce_sums_over_ranks(monkeypatch):
     rank1.update(pred[1:], target[1:])
 
     def all_reduce_with_rank1(tensor, op):
-        assert op == metrics.dist.ReduceOp.SUM and tensor.dtype == torch.float64
+        assert op == scores.dist.ReduceOp.SUM and tensor.dtype == torch.float64
         tensor += rank1._sums
 
-    monkeypatch.setattr(metrics.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(metrics.dist, "get_world_size", lambda: 2)
-    monkeypatch.setattr(metrics.dist, "all_reduce", all_reduce_with_rank1)
+    monkeypatch.setattr(scores.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(scores.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(scores.dist, "all_reduce", all_reduce_with_rank1)
     assert rank0.compute(all_reduce=True) == pytest.approx(single.compute(), rel=1e-12)
     assert rank0.compute(all_reduce=True) == pytest.approx(single.compute(), rel=1e-12)  # state unchanged
     assert rank0.compute() != pytest.approx(single.compute(), rel=1e-3)  # without the reduce: rank 0 only

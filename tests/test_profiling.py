@@ -1,4 +1,5 @@
-"""train_with_profiling.py and utils/profiling.py: trace, memory timeline, summary, breakdown, off == train.py."""
+"""train_with_profiling.py and utils/observe/profiling.py: trace, memory timeline, summary, breakdown,
+off == train.py."""
 
 import gzip
 import json
@@ -10,9 +11,9 @@ import torch
 
 from tests.conftest import REFERENCE_STEPS, final_weights, read_metrics, run_script, tiny_args
 from tests.test_train import expect_error_in_process
-from utils import profiling
 from utils.config import ConfigError, build_config
-from utils.profiling import RANGES
+from utils.observe import profiling
+from utils.observe.profiling import RANGES
 
 PROFILE_STEPS = ("--profile_wait", "1", "--profile_warmup", "1", "--profile_active", "2")
 

@@ -22,7 +22,7 @@ from tests.test_forecast import H_STORED, NAMES, W, write_nersc_layout
 from tests.test_train import check_error, expect_error_in_process
 from utils.checkpoint import load_checkpoint
 from utils.config import build_config
-from utils.metrics import latitude_weights
+from utils.observe.scores import latitude_weights
 
 SAMPLES = 6  # per file: 5 validation pairs at lead 1, 3 start times for 3 steps
 ROWS = H_STORED - 1  # the loader drops the last latitude row

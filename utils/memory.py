@@ -104,7 +104,7 @@ from torch import nn
 from utils.config import Config, ConfigError
 from utils.parallel.domain_parallel import band_bounds
 
-GB = 1e9  # decimal gigabytes, as utils.metrics.peak_memory_gb and nvidia-smi's "GB"
+GB = 1e9  # decimal gigabytes, as utils.observe.flops.peak_memory_gb and nvidia-smi's "GB"
 ERA5_FIELD = (720, 1440)  # SuperBench's 721 x 1440 with the last latitude row dropped
 NUM_FEAT = 64  # width of SwinIR's reconstruction convolutions (models/swinir.py)
 LN_STATS_BYTES = 8  # LayerNorm keeps mean and 1/std per token, in fp32 even for bf16 inputs

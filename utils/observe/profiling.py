@@ -403,7 +403,7 @@ def _timeline_html(png: bytes, peak, categories, device: torch.device, step: int
             f"<h4>At the peak ({sum(peak) / 1e6:,.1f} MB)</h4>"
             f"<table><tr><th>category</th><th>MB</th></tr>{rows}</table>"
             "<p>From torch.profiler's memory timeline (categories of torch.profiler._memory_profiler.Category), "
-            "drawn by utils/profiling.py.</p></body></html>")
+            "drawn by utils/observe/profiling.py.</p></body></html>")
 
 
 # ----------------------------------------------------------------------------- nsys
@@ -588,7 +588,7 @@ def throughput_breakdown(cfg: Config, loader, model, optimizer, loss_fn, scaler,
     synthetic_rate = _samples_per_sec(lambda: train_step(*cached), steps, 2, device)
     batches = _endless(loader)  # a fresh iterator: its queue fills during FULL's own warm-up
     full_rate = _samples_per_sec(lambda: train_step(*to_device(next(batches))), steps, queue, device)
-    del batches, cached
+    batches = cached = None  # free the loader's workers and the cached batch (a del here trips pyflakes: lambdas)
 
     rates = {"io_samples_per_sec": io_rate, "synthetic_samples_per_sec": synthetic_rate,
              "full_samples_per_sec": full_rate}
