@@ -38,7 +38,7 @@ from utils.checkpoint import (CheckpointError, ensure_writable_dir, latest_check
 from utils.config import Config, ConfigError, build_config, load_named_configs
 from utils.data.common import DataError, evenly_spaced
 from utils.data.era5 import FIELDS_KEY, ERA5Dataset, scan_split
-from utils.metrics import json_safe
+from utils.observe.logger import json_safe
 from utils.precision import autocast
 from utils.tasks import Forecast, build_task
 from utils.training import configure_backends, pick_device, run_cli

@@ -25,8 +25,8 @@ from utils.checkpoint import (CheckpointError, TrainState, latest_checkpoint, lo
                               save_checkpoint)
 from utils.config import parse_config
 from utils.data import build_loaders
-from utils.metrics import (MetricsLogger, device_peak_flops, mfu, peak_memory_gb, reset_peak_memory,
-                           train_flops_per_sample)
+from utils.observe.flops import device_peak_flops, mfu, peak_memory_gb, reset_peak_memory, train_flops_per_sample
+from utils.observe.logger import MetricsLogger
 from utils.parallel.distributed import all_reduce_max, all_reduce_mean, barrier, cleanup_distributed, init_distributed
 from utils.parallel.techniques import apply_ac, apply_compile, apply_ddp
 from utils.precision import autocast, make_grad_scaler

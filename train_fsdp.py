@@ -23,8 +23,8 @@ from models import build_model
 from utils.checkpoint import CheckpointError, TrainState, prepare_run_dir
 from utils.config import parse_config
 from utils.data import build_loaders
-from utils.metrics import (MetricsLogger, device_peak_flops, mfu, peak_memory_gb, reset_peak_memory,
-                           train_flops_per_sample)
+from utils.observe.flops import device_peak_flops, mfu, peak_memory_gb, reset_peak_memory, train_flops_per_sample
+from utils.observe.logger import MetricsLogger
 from utils.parallel.distributed import all_reduce_max, all_reduce_mean, cleanup_distributed, init_distributed
 from utils.parallel.fsdp import (apply_fsdp, latest_sharded_checkpoint, load_sharded_checkpoint, memory_record,
                                  save_sharded_checkpoint, sharded_payload)

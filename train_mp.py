@@ -32,8 +32,8 @@ from utils.checkpoint import CheckpointError, TrainState, prepare_run_dir
 from utils.config import parse_config
 from utils.data import build_loaders
 from utils.memory import SavedTensorBytes
-from utils.metrics import (MetricsLogger, device_peak_flops, mfu, peak_memory_gb, reset_peak_memory,
-                           train_flops_per_sample)
+from utils.observe.flops import device_peak_flops, mfu, peak_memory_gb, reset_peak_memory, train_flops_per_sample
+from utils.observe.logger import MetricsLogger
 from utils.parallel.context_parallel import apply_cp
 from utils.parallel.distributed import (all_reduce_max, all_reduce_mean, build_mp_mesh, cleanup_distributed,
                                         init_distributed)

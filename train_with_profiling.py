@@ -25,9 +25,10 @@ from utils.checkpoint import (CheckpointError, TrainState, latest_checkpoint, lo
                               save_checkpoint)
 from utils.config import parse_config
 from utils.data import build_loaders
-from utils.metrics import (MetricsLogger, device_peak_flops, mfu, peak_memory_gb, reset_peak_memory,
-                           train_flops_per_sample)
+from utils.observe.flops import device_peak_flops, mfu, peak_memory_gb, reset_peak_memory, train_flops_per_sample
+from utils.observe.logger import MetricsLogger
 from utils.parallel.techniques import apply_ac, apply_compile
+from utils.observe.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling, throughput_breakdown
 from utils.precision import autocast, make_grad_scaler
 from utils.tasks import build_task
 from utils.training import (build_loss, build_optimizer, check_finite, checkpoint_payload, configure_backends,

@@ -16,7 +16,7 @@ from tests.test_train import expect_error_in_process
 from utils.config import ConfigError, build_config
 from utils.data.common import DataError, ResumableDistributedSampler, build_dataloader
 from utils.data.era5 import ERA5Dataset, resolve_from_data
-from utils.metrics import ACCAccumulator, RMSEAccumulator, latitude_weights
+from utils.observe.scores import ACCAccumulator, RMSEAccumulator, latitude_weights
 from utils.tasks import Forecast, build_task
 from utils.training import build_loss, build_optimizer, relative_l2
 

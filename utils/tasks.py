@@ -35,8 +35,8 @@ from torch import nn
 
 from utils.data.common import DataError
 from utils.data.era5 import read_climatology, scan_split
-from utils.metrics import (ACCAccumulator, L1Accumulator, RMSEAccumulator, bicubic_upsample, latitude_weights,
-                           save_forecast_png, save_sample_png, save_volume_png)
+from utils.observe.pictures import save_forecast_png, save_sample_png, save_volume_png
+from utils.observe.scores import ACCAccumulator, L1Accumulator, RMSEAccumulator, bicubic_upsample, latitude_weights
 from utils.parallel.domain_parallel import BICUBIC_REACH, gather_bands, halo
 from utils.precision import autocast
 
