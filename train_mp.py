@@ -36,7 +36,7 @@ from utils.distributed import all_reduce_max, all_reduce_mean, build_mp_mesh, cl
 from utils.domain_parallel import band_loss, field_bands
 from utils.fsdp import (latest_sharded_checkpoint, load_sharded_checkpoint, memory_record, save_sharded_checkpoint,
                         sharded_payload)
-from utils.memory import SavedTensorBytes
+from utils.memory.measure import SavedTensorBytes
 from utils.metrics import (MetricsLogger, device_peak_flops, mfu, peak_memory_gb, reset_peak_memory,
                            train_flops_per_sample)
 from utils.precision import autocast, make_grad_scaler

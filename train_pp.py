@@ -30,7 +30,7 @@ from utils.config import parse_config
 from utils.data import build_loaders
 from utils.distributed import all_reduce_max, all_reduce_mean, build_pp_mesh, cleanup_distributed, init_distributed
 from utils.fsdp import latest_sharded_checkpoint, load_sharded_checkpoint, memory_record, save_sharded_checkpoint
-from utils.memory import SavedTensorBytes
+from utils.memory.measure import SavedTensorBytes
 from utils.metrics import (MetricsLogger, device_peak_flops, mfu, peak_memory_gb, reset_peak_memory,
                            train_flops_per_sample)
 from utils.pipeline_parallel import Pipeline, apply_data_parallel, bubble_report

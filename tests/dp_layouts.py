@@ -32,7 +32,7 @@ from utils.config import build_config  # noqa: E402
 from utils.context_parallel import apply_cp  # noqa: E402
 from utils.distributed import build_mp_mesh  # noqa: E402
 from utils.domain_parallel import band_bounds, band_loss, field_bands, gather_bands  # noqa: E402
-from utils.memory import SavedTensorBytes  # noqa: E402
+from utils.memory.measure import SavedTensorBytes  # noqa: E402
 from utils.techniques import apply_ac  # noqa: E402
 from utils.tensor_parallel import apply_tp  # noqa: E402
 

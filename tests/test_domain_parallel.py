@@ -25,7 +25,7 @@ from utils.config import ConfigError, build_config
 from utils.context_parallel import apply_cp
 from utils.data import ERA5Dataset
 from utils.domain_parallel import BICUBIC_REACH, FieldBands, band_bounds, field_bands
-from utils.memory import estimate_memory
+from utils.memory.estimate import estimate_memory
 
 ALL_FP32_LAYOUTS = ["cp4", "dp2xcp2+ac", "tp2xcp2"]
 
