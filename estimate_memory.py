@@ -26,7 +26,7 @@ FSDP unit are the transformer block (``ac: layer`` is SwinIR's RSTB, an error fo
 For SwinIR, --cp N (train_mp.py's domain parallelism) estimates the rank holding the largest band of
 each field: the cp ranks of a field share its samples, FSDP2 shards over all --world_size ranks.
 The U-Net's input is its crop_size³ crop; its units are its down and up blocks (one convolution each).
-See utils/memory.py for the model of each term, and which terms are exact or approximate;
+See utils/memory/estimate.py for the model of each term, and which terms are exact or approximate;
 benchmarks/validate_memory_estimate.py compares the estimate with measurements.
 """
 
@@ -35,10 +35,10 @@ from __future__ import annotations
 import json
 
 from utils.config import ConfigError, parse_config
-from utils.memory import GB, MemoryEstimate, estimate_memory
+from utils.memory.estimate import GB, MemoryEstimate, estimate_memory
 from utils.training import run_cli
 
-ACCURACY = {  # what the estimate can promise for each term (utils/memory.py explains why)
+ACCURACY = {  # what the estimate can promise for each term (utils/memory/estimate.py explains why)
     "params": "exact",
     "grads": "exact",
     "optimizer": "exact",

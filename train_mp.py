@@ -31,7 +31,7 @@ from models import build_model
 from utils.checkpoint import CheckpointError, TrainState, prepare_run_dir
 from utils.config import parse_config
 from utils.data import build_loaders
-from utils.memory import SavedTensorBytes
+from utils.memory.measure import SavedTensorBytes
 from utils.observe.flops import device_peak_flops, mfu, peak_memory_gb, reset_peak_memory, train_flops_per_sample
 from utils.observe.logger import MetricsLogger
 from utils.parallel.context_parallel import apply_cp

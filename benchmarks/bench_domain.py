@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_mp import run  # noqa: E402
 from utils.config import parse_config  # noqa: E402
-from utils.memory import estimate_memory  # noqa: E402
+from utils.memory.estimate import estimate_memory  # noqa: E402
 
 
 def estimated_mb(train_args: list[str], cp: int) -> float:

@@ -11,7 +11,7 @@ attention, quadratic in the tokens, is then 66 % of it, at 288 tokens 12 %).
 It prints seconds per step (median of --steps after --warmup, the first of which counts the FLOPs
 with FlopCounterMode), samples/s, the fraction of the matmul peak (paired per step as in
 bench_model.py: step FLOP/s / the matmul FLOP/s measured right after that step), and the peak
-memory of one more measured step (utils.memory.measure_training_memory: CPU allocation trace or
+memory of one more measured step (utils.memory.measure.measure_training_memory: CPU allocation trace or
 CUDA allocator) next to estimate_memory.py's prediction for the same setting.
 
     python benchmarks/bench_vit.py                          # fp32
@@ -43,8 +43,8 @@ from bench_model import DTYPES, cpu_description, matmul_peak, supports_bf16_matm
 
 from models import count_parameters  # noqa: E402
 from utils.config import ConfigError, build_config  # noqa: E402
-from utils.memory import (GB, build_for_measurement, estimate_memory, loss_for, measure_training_memory,  # noqa: E402
-                          random_batch)
+from utils.memory.estimate import GB, estimate_memory  # noqa: E402
+from utils.memory.measure import build_for_measurement, loss_for, measure_training_memory, random_batch  # noqa: E402
 from utils.precision import autocast
 
 

@@ -3,7 +3,7 @@
 For the tutorial's SwinIR at batch 1 (low-res input 360x720, upscale 2), three settings:
 fp32; bf16 autocast; bf16 autocast + activation checkpointing per Swin block. It prints
 
-1. activations held for backward at full size, estimated (utils/memory.py) and measured by up to
+1. activations held for backward at full size, estimated (utils/memory/estimate.py) and measured by up to
    three methods that never hold the fp32 activations (~100 GB) at once:
    - traced: one forward under FakeTensorMode (the real dispatch, no data, no memory);
    - forward: a real forward pass whose saved tensors are counted and dropped at once
@@ -45,8 +45,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from utils.checkpoint import replaced_atomically, reporting_write_failures  # noqa: E402
 from utils.config import build_config  # noqa: E402
-from utils.memory import (GB, build_for_measurement, estimate_memory, measure_config,  # noqa: E402
-                          measure_saved_activations, random_batch, time_training_step, trace_saved_activations)
+from utils.memory.estimate import GB, estimate_memory  # noqa: E402
+from utils.memory.measure import (build_for_measurement, measure_config, measure_saved_activations,  # noqa: E402
+                                  random_batch, time_training_step, trace_saved_activations)
 from utils.training import run_cli
 
 SETTINGS = {"fp32": dict(amp_dtype="none", ac="none"), "bf16": dict(amp_dtype="bf16", ac="none"),
@@ -199,7 +200,7 @@ def vit_full_size(args) -> dict:
     import dataclasses
 
     from models import build_model
-    from utils.memory import loss_for
+    from utils.memory.measure import loss_for
     from utils.parallel.techniques import apply_ac
 
     print(f"threads {torch.get_num_threads()}; GB = 1e9 bytes")

@@ -473,7 +473,7 @@ def collect(out: Path, load: list[float] | None = None) -> int:
 def config_gradients(name: str) -> tuple[int, list[int]]:
     """Parameters and gradient bytes (fp32, in the order DDP's buckets take them) of a named config's model."""
     from utils.config import build_config
-    from utils.memory import build_for_measurement
+    from utils.memory.measure import build_for_measurement
 
     model = build_for_measurement(build_config(name))
     params = [p for p in model.parameters() if p.requires_grad]

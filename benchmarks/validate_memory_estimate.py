@@ -1,4 +1,4 @@
-"""Predicted vs measured training memory on a grid of small SwinIR and ViT configs (utils/memory.py).
+"""Predicted vs measured training memory on a grid of small SwinIR and ViT configs (utils/memory/estimate.py).
 
 For each case the estimate (estimate_memory.py's numbers) is compared with a real training step:
 activations = bytes saved for backward (saved_tensors_hooks, one count per storage), and the peak
@@ -30,7 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from utils.config import build_config  # noqa: E402
-from utils.memory import GB, estimate_memory, measure_config  # noqa: E402
+from utils.memory.estimate import GB, estimate_memory  # noqa: E402
+from utils.memory.measure import measure_config  # noqa: E402
 
 # A small SwinIR with the tutorial's structure (window 8, MLP ratio 2) that steps in about a second.
 SMALL = dict(embed_dim=48, depths=[2, 2], num_heads=[6, 6], img_size=32, drop_path_rate=0.1)

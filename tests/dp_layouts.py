@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from models import build_model  # noqa: E402
 from utils.config import build_config  # noqa: E402
-from utils.memory import SavedTensorBytes  # noqa: E402
+from utils.memory.measure import SavedTensorBytes
 from utils.parallel.context_parallel import apply_cp
 from utils.parallel.distributed import build_mp_mesh
 from utils.parallel.domain_parallel import band_bounds, band_loss, field_bands, gather_bands

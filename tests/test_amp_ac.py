@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from models import build_model
 from tests.conftest import TINY_MODEL, run_script
 from utils.config import build_config
-from utils.memory import SavedTensorBytes, random_batch
+from utils.memory.measure import SavedTensorBytes, random_batch
 from utils.parallel.plans import ac_units
 from utils.parallel.techniques import apply_ac
 from utils.precision import autocast, make_grad_scaler

@@ -23,7 +23,7 @@ from models.swinir import SwinIR
 from tests.conftest import FakeMesh, run_script
 from utils.config import ConfigError, build_config
 from utils.data.era5 import ERA5Dataset
-from utils.memory import estimate_memory
+from utils.memory.estimate import estimate_memory
 from utils.parallel.context_parallel import apply_cp
 from utils.parallel.domain_parallel import BICUBIC_REACH, FieldBands, band_bounds, field_bands
 

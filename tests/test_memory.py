@@ -1,8 +1,8 @@
-"""estimate_memory.py and utils/memory.py: the analytic estimate against measurements on CPU.
+"""estimate_memory.py and utils/memory/: the analytic estimate against measurements on CPU.
 
 SwinIR's activations are checked within the issue's 15 %, the ViT's and the 3-D U-Net's to the byte
-(every term of their CPU paths is exact: see utils/memory.py); the CUDA paths are modelled, and checked here only for
-their consequences (what fits a 40/80 GB GPU).
+(every term of their CPU paths is exact: see utils/memory/estimate.py); the CUDA paths are modelled, and checked
+here only for their consequences (what fits a 40/80 GB GPU).
 """
 
 import contextlib
@@ -16,9 +16,10 @@ import estimate_memory
 from models import build_model, count_parameters
 from tests.conftest import run_script
 from utils.config import ConfigError, build_config, load_named_configs
-from utils.memory import (SavedTensorBytes, ViTShape, build_for_measurement, estimate_memory as estimate, loss_for,
-                          measure_config, measure_saved_activations, model_shape, random_batch,
-                          trace_saved_activations)
+from utils.memory.estimate import estimate_memory as estimate
+from utils.memory.measure import (SavedTensorBytes, build_for_measurement, loss_for, measure_config,
+                                  measure_saved_activations, random_batch, trace_saved_activations)
+from utils.memory.shapes import ViTShape, model_shape
 from utils.training import run_cli
 
 # Small enough for a forward in a fraction of a second; two RSTBs with different head counts.

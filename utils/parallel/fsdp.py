@@ -145,7 +145,7 @@ def memory_record(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] =
     train_mp.py). Sizes in MB (1e6 bytes), of the largest rank; total_mb_min is the smallest
     (shards differ by at most a row). ddp_total_mb is what each DDP rank holds: full fp32 copies of
     all three. ``activations_bytes`` (this rank's tensors saved for backward in one step, see
-    utils.memory.saved_activations) adds activations_mb, the largest rank's. All-gathered
+    utils.memory.measure.SavedTensorBytes) adds activations_mb, the largest rank's. All-gathered
     parameters and communication buffers come on top. ``model_bytes``: the whole model's parameter
     bytes where ``model`` holds only part of it (train_pp.py's stages).
     """

@@ -1,0 +1,23 @@
+"""Training memory of SwinIR, the ViT forecaster and SC22's 3-D U-Net: an analytic estimate, and the measurements
+that check it.
+
+The estimate adds up, per rank, ``total = params + grads + optimizer + activations + temporary``, where the
+activations are written out per layer following each model's structure; the measurements count the same
+quantities in a real (or fake-tensor) training step. Import from the modules:
+
+* :mod:`utils.memory.shapes` — what the memory of each model depends on, read from the config
+  (:class:`SwinIRShape`, :class:`ViTShape`, :class:`UNet3DShape`: exact parameter counts, FSDP units, autocast's
+  weight copies) and the size of its input (SwinIR's low-res crop or whole field, the ViT's img_size, the U-Net's
+  cube);
+* :mod:`utils.memory.graphs` — each model's training step as a list of layers in forward order: what each
+  saves for backward, typed by the device and the mixed-precision settings, with activation checkpointing's units,
+  and the walk that gives the activations held after forward and the temporary peak of the step;
+* :mod:`utils.memory.estimate` — :func:`estimate_memory` (what ``estimate_memory.py`` prints): parameters,
+  gradients, AdamW state, activations and the temporary peak per rank, alone, under DDP, FSDP2/HSDP and SwinIR's
+  domain parallelism; which terms are exact and which approximate;
+* :mod:`utils.memory.measure` — the same quantities measured: :class:`SavedTensorBytes` (bytes saved for
+  backward), a real training step's peak (CUDA allocator or CPU allocation trace), a FakeTensor trace of the saved
+  bytes at any size, and the model, batch and loss train.py would use for a config.
+
+shapes ← graphs ← estimate ← measure (each imports only those to its left).
+"""
