@@ -1,6 +1,6 @@
 # Two commands on a fresh clone:
 #   make train   virtualenv + install + synthetic data (if missing) + train.py --config quickstart
-#   make test    virtualenv + install + test dependencies + pytest
+#   make test    virtualenv + install + test dependencies + the import contracts (.importlinter) + pytest
 # and for Part II's ViT forecaster:
 #   make train-vit   virtualenv + install + synthetic 20-channel data (if missing) + train.py --config vit_quickstart
 # and for Part III's 3-D U-Net:
@@ -77,6 +77,7 @@ train-unet: $(VENV)/.installed data-unet
 # Test dependencies beyond pip (slurm-wlm, munge, shellcheck) come from apt when running as root.
 test: $(VENV)/.installed
 	bash tests/install_slurm.sh
+	$(VENV)/bin/lint-imports --no-logo
 	$(PY) -m pytest -q tests
 
 clean:

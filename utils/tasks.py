@@ -35,6 +35,7 @@ from torch import nn
 
 from utils.data.common import DataError
 from utils.data.era5 import read_climatology, scan_split
+from utils.data.volume import input_names, target_mean
 from utils.observe.pictures import save_forecast_png, save_sample_png, save_volume_png
 from utils.observe.scores import ACCAccumulator, L1Accumulator, RMSEAccumulator, bicubic_upsample, latitude_weights
 from utils.parallel.domain_parallel import BICUBIC_REACH, gather_bands, halo
@@ -207,7 +208,5 @@ def build_task(cfg, device: Optional[torch.device] = None, bands=None) -> Task:
         return Forecast(d.channel_names, d.key_channels, climatology.to(device or "cpu"),
                         latitude_weights(first.height, rows))
     if d.task == "volume":
-        from utils.data.volume import input_names, target_mean
-
         return Volume(d.channel_names, d.key_channels, torch.tensor(target_mean(cfg)), input_names(cfg))
     raise ValueError(f"unknown task {d.task!r}")

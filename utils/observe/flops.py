@@ -16,6 +16,7 @@ import sys
 import time
 from typing import Callable, Optional, Sequence
 
+import psutil
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -210,10 +211,8 @@ def peak_memory_gb(device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
     try:
-        import resource
+        import resource  # Unix only: imported here so that Windows falls back below
     except ImportError:  # Windows: no getrusage; current RSS is the best available
-        import psutil
-
         return psutil.Process().memory_info().rss / 1e9
     max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     bytes_per_unit = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes, Linux KiB

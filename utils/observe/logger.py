@@ -119,7 +119,7 @@ class MetricsLogger:
             self._jsonl = open(self._metrics_path, "ab", buffering=0)
         if tensorboard:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                from torch.utils.tensorboard import SummaryWriter  # optional: the run goes on without it
             except ImportError:
                 self._say("tensorboard is not installed: metrics go to metrics.jsonl only (pip install tensorboard)")
             else:

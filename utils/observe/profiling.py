@@ -34,6 +34,7 @@ import warnings
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+import numpy as np
 import torch
 from torch.profiler import ProfilerActivity
 
@@ -282,7 +283,7 @@ def _export_memory_timeline(prof, cfg: Config, device: torch.device, step: int =
     """
     html_path, png_path = profile_path(cfg, "memory_timeline.html"), profile_path(cfg, "memory_timeline.png")
     try:
-        from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX
+        from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX  # private: imported only where it is used
 
         with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
             # Its deprecation notice; docs/part1-swinir.md (Step 0b, Limits) explains.
@@ -355,8 +356,8 @@ def plot_memory_timeline(times_us, sizes, categories, spans=(), title: str = "")
     order, names of torch.profiler._memory_profiler.Category or None); ``spans``: (name, start µs,
     end µs) of :data:`RANGES`. Returns a matplotlib Figure.
     """
-    import numpy as np
-    from matplotlib.figure import Figure  # no pyplot: no global state, Agg canvas on save
+    # Imported on first use: matplotlib is heavy; no pyplot: no global state, Agg canvas on save.
+    from matplotlib.figure import Figure
 
     t0 = min([times_us[0]] + [start for _, start, _ in spans])
     t_end = max([times_us[-1]] + [end for _, _, end in spans])

@@ -19,6 +19,7 @@ import inspect
 import torch
 from torch import nn
 from torch.distributed._composable import checkpoint as composable_checkpoint
+from torch.nn.parallel import DistributedDataParallel
 
 from utils.config import ConfigError
 from utils.parallel.plans import ac_units
@@ -76,8 +77,6 @@ def apply_ddp(model: nn.Module, cfg, device: torch.device) -> nn.Module:
     Always call the *returned* model in the training step; calling the plain model under DDP
     silently skips the gradient synchronisation.
     """
-    from torch.nn.parallel import DistributedDataParallel
-
     if cfg.dist.no_ddp:
         return model
     # Recent PyTorch renamed the per-forward buffer sync; either way buffers are synced once at construction.
