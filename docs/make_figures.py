@@ -1,12 +1,14 @@
 """The tutorial's teaching pictures, drawn with matplotlib (no pyplot: no global figure state).
 
-    python docs/make_figures.py                                          # (a) and (b)
+    python docs/make_figures.py                                          # (a), (b) and (d)
     python docs/make_figures.py --metrics runs/quickstart/metrics.jsonl  # also (c), from a quickstart run
 
 (a) docs/parallelism.png: what each rank holds under DDP, FSDP and HSDP (parameters, gradients,
     optimizer state, in slices of the model) and the collectives each uses;
 (b) docs/launch_tree.png: sbatch -> srun (one task per node) -> torchrun (one per node) -> ranks,
     with RANK, LOCAL_RANK and WORLD_SIZE for 2 nodes x 4 GPUs;
+(d) docs/layers.png: the layers of utils/ as .importlinter states them (imports only go down), with the
+    scripts above and models/ beside;
 (c) docs/quickstart_rmse.png: the quickstart's validation RMSE per channel against bicubic
     interpolation's over training, and the training loss, from a run's metrics.jsonl.
 """
@@ -14,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import configparser
 import json
 import sys
 from pathlib import Path
@@ -158,6 +161,48 @@ def launch_tree_figure(nodes: int = 2, gpus: int = 4) -> Figure:
     return fig
 
 
+def import_layers(config: Path = DOCS.parent / ".importlinter") -> list[list[str]]:
+    """The layers contract of ``config``, top layer first; each layer the packages or modules side by side."""
+    parser = configparser.ConfigParser()
+    parser.read(config)
+    contract = next(section for section in parser.sections() if parser[section].get("type") == "layers")
+    return [[name.strip() for name in line.split("|")] for line in parser[contract]["layers"].split("\n") if line.strip()]
+
+
+def _contents(module: str) -> str:
+    """A package's modules (first lines of a box), or a module's file name."""
+    path = DOCS.parent / module.replace(".", "/")
+    if path.is_dir():
+        names = sorted(p.stem for p in path.glob("*.py") if p.stem != "__init__")
+        return f"{module.replace('.', '/')}/\n" + ", ".join(names)
+    return f"{module.replace('.', '/')}.py"
+
+
+def layers_figure() -> Figure:
+    """(d) utils/ in layers, top to bottom, as .importlinter has them; each imports only from those below."""
+    layers = import_layers()
+    fig = Figure(figsize=(13, 1.2 * len(layers) + 2.4), layout="constrained")
+    ax = fig.subplots()
+    height = len(layers) + 2
+    ax.set_xlim(0, 13)
+    ax.set_ylim(0, height)
+    ax.axis("off")
+    _box(ax, 5, height - 0.6, 9.4, 0.6, "train*.py, estimate_memory.py, rollout.py, comm_check.py, benchmarks/ (scripts)",
+         "#E8E8E8", 9.5)
+    for row, layer in enumerate(layers):
+        y = height - 1.6 - row
+        width = 9.4 / len(layer)
+        for col, module in enumerate(layer):
+            _box(ax, 0.3 + width * (col + 0.5), y, width - 0.2, 0.78, _contents(module), "#DCE6F2", 8.5)
+        _arrow(ax, (9.9, y + 0.75), (9.9, y + 0.25))
+    ax.text(10.15, height - 1.6, "imports go down only\n(|: side by side,\nneither imports the other)", fontsize=9,
+            va="center")
+    _box(ax, 11.6, 1.2, 2.4, 1.4, "models/\nswinir, vit, unet3d\n(import nothing\nfrom utils/)", "#E2F0D9", 9)
+    ax.text(5, 0.25, "Checked by `lint-imports` in make test (.importlinter); the model-specific rows of every "
+            "technique live in utils/parallel/plans.py.", ha="center", fontsize=9)
+    return fig
+
+
 def run_channel_names(metrics: Path) -> list[str]:
     """The channel names in the config of the run's latest checkpoint (metrics.jsonl does not repeat them)."""
     sys.path.insert(0, str(DOCS.parent))
@@ -211,7 +256,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=DOCS, help="folder for the PNGs")
     parser.add_argument("--dpi", type=int, default=100)
     args = parser.parse_args(argv)
-    figures = {"parallelism.png": parallelism_figure(), "launch_tree.png": launch_tree_figure()}
+    figures = {"parallelism.png": parallelism_figure(), "launch_tree.png": launch_tree_figure(),
+               "layers.png": layers_figure()}
     if args.metrics:
         try:
             records = [json.loads(line) for line in args.metrics.read_text().splitlines() if line.strip()]

@@ -285,7 +285,7 @@ def test_activation_checkpointing_same_result_more_backward_flops():
     loss, grads = _step(model, x)
     checkpointed = copy.deepcopy(model)
     for block in checkpointed.swin_blocks():
-        composable_checkpoint(block)  # as utils/techniques.apply_ac does
+        composable_checkpoint(block)  # as utils/parallel/techniques.apply_ac does
     flagged = small_swinir(use_checkpoint=True)  # the original's switch, per block
     for name, variant in (("composable", checkpointed), ("use_checkpoint", flagged)):
         loss_ac, grads_ac = _step(variant, x)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import multiprocessing
 import os
 import random
 import signal
@@ -231,5 +232,27 @@ def run_cli(main: Callable[[], Optional[int]]) -> None:
         if code is None:
             raise  # a bug: its traceback
         print(f"{f'[rank {env.rank}] ' if env.rank else ''}error: {error}", file=sys.stderr, flush=True)
-        sys.exit(code)
-    sys.exit(code or 0)
+        exit_process(code)
+    exit_process(code or 0)
+
+
+def exit_process(code: int) -> None:
+    """End the script with ``code``; a rank of a multi-process job skips the interpreter's shutdown.
+
+    Objects that hold process groups outlive ``destroy_process_group``: FSDP2's state is kept by the
+    autograd graph it hooks (a reference cycle through C++ that Python's collector cannot free), and
+    so are the pipeline stages and device meshes. Freed while the interpreter shuts down, they let
+    gloo's worker threads and autograd's device threads take the lock of an interpreter that is
+    going away, and such a thread is unwound through C++ code that may not be, which aborts the
+    process ("terminate called without an active exception", exit -6) after a run that succeeded
+    (PyTorch issues 38230 and 90549 describe the mechanism). By now every output is written and
+    closed; the DataLoader workers are stopped as the interpreter's exit would stop them, and the
+    process ends at once.
+    """
+    if read_dist_env().world_size > 1:
+        for child in multiprocessing.active_children():  # DataLoader workers (daemons)
+            child.terminate()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

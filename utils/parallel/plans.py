@@ -137,7 +137,7 @@ def ac_units(model: nn.Module, unit: str) -> list[nn.Module]:
         raise ValueError(f"unit must be 'block' or 'layer', got {unit!r}")
     units = model_plan(model).units
     if unit not in units:
-        other = " / ".join(f"--ac {name} / --fsdp_unit {name}" for name in units)
-        raise ConfigError(f"unit {unit!r} is not one of the {type(model).__name__}'s units ({', '.join(units)}): "
-                          f"use {other}")
+        name, have = type(model).__name__, " and ".join(f"{u}s" for u in units) or "no units"
+        fix = " / ".join(f"--ac {u} / --fsdp_unit {u}" for u in units) or "--ac none"
+        raise ConfigError(f"unit {unit!r} is not one of the {name}'s units: the {name} has {have} only: use {fix}")
     return list(units[unit](model))
