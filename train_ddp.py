@@ -21,8 +21,7 @@ import torch
 from tqdm import tqdm
 
 from models import build_model
-from utils.checkpoint import (CheckpointError, TrainState, latest_checkpoint, load_checkpoint, prepare_run_dir,
-                              save_checkpoint)
+from utils.checkpoint import TrainState, checkpoint_to_resume, load_checkpoint, prepare_run_dir, save_checkpoint
 from utils.config import parse_config
 from utils.data import build_loaders
 from utils.observe.flops import device_peak_flops, mfu, peak_memory_gb, reset_peak_memory, train_flops_per_sample
@@ -31,8 +30,9 @@ from utils.parallel.distributed import all_reduce_max, all_reduce_mean, barrier,
 from utils.parallel.techniques import apply_ac, apply_compile, apply_ddp
 from utils.precision import autocast, make_grad_scaler
 from utils.tasks import build_task
-from utils.training import (build_loss, build_optimizer, check_finite, checkpoint_payload, configure_backends,
-                            restore_payload, run_cli, seed_everything, seed_step, show_progress, total_steps)
+from utils.training import (StopRequest, build_loss, build_optimizer, check_finite, checkpoint_payload,
+                            configure_backends, restore_payload, run_cli, seed_everything, seed_step, show_progress,
+                            total_steps)
 
 
 def main():
@@ -65,13 +65,11 @@ def main():
     loss_fn = build_loss(cfg)
     state = TrainState()
     ckpt_dir = f"{tcfg.run_dir}/checkpoints"
-    if tcfg.resume:
-        latest = latest_checkpoint(ckpt_dir)
-        if latest is None:
-            raise CheckpointError(f"--resume: no checkpoint in {ckpt_dir}; run without --resume to start fresh")
-        state = restore_payload(load_checkpoint(latest, device), raw_model, optimizer, scheduler, scaler)
+    latest = checkpoint_to_resume(ckpt_dir, tcfg.resume)  # None: start fresh
+    if latest:
+        state = restore_payload(load_checkpoint(latest, device), raw_model, optimizer, scheduler, scaler, cfg, latest)
         log0(f"resumed from {latest} at step {state.step}")
-    prepare_run_dir(tcfg.run_dir, tcfg.resume)  # writable, and no other run's outputs unless --resume
+    prepare_run_dir(tcfg.run_dir, latest is not None)  # writable, and no other run's outputs unless resuming
     logger = MetricsLogger(tcfg.run_dir, enabled=env.is_main, console=tqdm.write, channel_names=task.channel_names,
                            console_channels=task.key_channels)
     log0(f"world_size={env.world_size} nodes={env.num_nodes} backend={torch.distributed.get_backend()}")
@@ -99,7 +97,8 @@ def main():
     loss_sum, loss_count = torch.zeros((), device=device), 0
     window_start, window_samples = time.perf_counter(), 0
     reset_peak_memory(device)
-    while state.step < max_steps:
+    stopping = StopRequest()  # SIGTERM or SIGUSR1 on any rank: checkpoint the step, then end the run
+    while state.step < max_steps and not stopping.signal:
         # Same seed + epoch -> same order and crops: a resumed run sees exactly the same batches.
         train_loader.sampler.set_epoch(state.epoch, start_batch=state.batch_in_epoch)
         train_loader.dataset.set_epoch(state.epoch)
@@ -137,10 +136,11 @@ def main():
                 loss_count, window_start, window_samples = 0, time.perf_counter(), 0
             if (tcfg.val_every and state.step % tcfg.val_every == 0) or (not tcfg.val_every and end_of_epoch) or done:
                 validate()
-            if (tcfg.ckpt_every and state.step % tcfg.ckpt_every == 0) or end_of_epoch or done:
+            stop = stopping.agreed()  # collective: every rank stops after the same step
+            if (tcfg.ckpt_every and state.step % tcfg.ckpt_every == 0) or end_of_epoch or done or stop:
                 check_finite(all_reduce_mean(loss_sum), state.step, ckpt_dir)  # never save a diverged step
                 save()
-            if end_of_epoch or done:
+            if end_of_epoch or done or stop:
                 break
         if state.batch_in_epoch == steps_per_epoch:
             state.epoch += 1
@@ -149,8 +149,9 @@ def main():
     # --------------------------------------------------------------------------------------- Teardown
     progress.close()
     logger.close()
-    log0(f"done: {state.step} steps; outputs in {tcfg.run_dir}")
+    log0(stopping.summary(state.step, tcfg.run_dir))
     cleanup_distributed()
+    return stopping.exit_code
 
 
 if __name__ == "__main__":

@@ -21,19 +21,18 @@ from torch.profiler import record_function
 from tqdm import tqdm
 
 from models import build_model
-from utils.checkpoint import (CheckpointError, TrainState, latest_checkpoint, load_checkpoint, prepare_run_dir,
-                              save_checkpoint)
+from utils.checkpoint import TrainState, checkpoint_to_resume, load_checkpoint, prepare_run_dir, save_checkpoint
 from utils.config import parse_config
 from utils.data import build_loaders
 from utils.observe.flops import device_peak_flops, mfu, peak_memory_gb, reset_peak_memory, train_flops_per_sample
 from utils.observe.logger import MetricsLogger
-from utils.parallel.techniques import apply_ac, apply_compile
 from utils.observe.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling, throughput_breakdown
+from utils.parallel.techniques import apply_ac, apply_compile
 from utils.precision import autocast, make_grad_scaler
 from utils.tasks import build_task
-from utils.training import (build_loss, build_optimizer, check_finite, checkpoint_payload, configure_backends,
-                            pick_device, restore_payload, run_cli, seed_everything, seed_step, show_progress,
-                            total_steps)
+from utils.training import (StopRequest, build_loss, build_optimizer, check_finite, checkpoint_payload,
+                            configure_backends, pick_device, restore_payload, run_cli, seed_everything, seed_step,
+                            show_progress, total_steps)
 
 
 def main():
@@ -66,13 +65,11 @@ def main():
     loss_fn = build_loss(cfg)
     state = TrainState()
     ckpt_dir = f"{tcfg.run_dir}/checkpoints"
-    if tcfg.resume:
-        latest = latest_checkpoint(ckpt_dir)
-        if latest is None:
-            raise CheckpointError(f"--resume: no checkpoint in {ckpt_dir}; run without --resume to start fresh")
-        state = restore_payload(load_checkpoint(latest, device), raw_model, optimizer, scheduler, scaler)
+    latest = checkpoint_to_resume(ckpt_dir, tcfg.resume)  # None: start fresh
+    if latest:
+        state = restore_payload(load_checkpoint(latest, device), raw_model, optimizer, scheduler, scaler, cfg, latest)
         print(f"resumed from {latest} at step {state.step}")
-    prepare_run_dir(tcfg.run_dir, tcfg.resume)  # writable, and no other run's outputs unless --resume
+    prepare_run_dir(tcfg.run_dir, latest is not None)  # writable, and no other run's outputs unless resuming
     logger = MetricsLogger(tcfg.run_dir, console=tqdm.write, channel_names=task.channel_names,
                            console_channels=task.key_channels)
     print(f"model: {sum(p.numel() for p in raw_model.parameters()):,} parameters | device: {device} | "
@@ -96,7 +93,8 @@ def main():
     window_start, window_samples = time.perf_counter(), 0
     reset_peak_memory(device)
     profiler = profiling.enter_context(maybe_enable_profiling(cfg, device))
-    while state.step < max_steps:
+    stopping = StopRequest()  # SIGTERM or SIGUSR1 on any rank: checkpoint the step, then end the run
+    while state.step < max_steps and not stopping.signal:
         # Same seed + epoch -> same order and crops: a resumed run sees exactly the same batches.
         train_loader.sampler.set_epoch(state.epoch, start_batch=state.batch_in_epoch)
         train_loader.dataset.set_epoch(state.epoch)
@@ -142,11 +140,12 @@ def main():
                 loss_count, window_start, window_samples = 0, time.perf_counter(), 0
             if (tcfg.val_every and state.step % tcfg.val_every == 0) or (not tcfg.val_every and end_of_epoch) or done:
                 validate()
-            if (tcfg.ckpt_every and state.step % tcfg.ckpt_every == 0) or end_of_epoch or done:
+            stop = stopping.agreed()  # collective: every rank stops after the same step
+            if (tcfg.ckpt_every and state.step % tcfg.ckpt_every == 0) or end_of_epoch or done or stop:
                 check_finite(loss_sum, state.step, ckpt_dir)  # never save weights from a diverged step
                 save()
             profiler.step()
-            if end_of_epoch or done:
+            if end_of_epoch or done or stop:
                 break
         if state.batch_in_epoch == steps_per_epoch:
             state.epoch += 1
@@ -158,7 +157,8 @@ def main():
     if rates := throughput_breakdown(cfg, train_loader, model, optimizer, loss_fn, scaler, device):
         logger.log({"kind": "throughput", "step": state.step, **rates})
     logger.close()
-    print(f"done: {state.step} steps; outputs in {tcfg.run_dir}")
+    print(stopping.summary(state.step, tcfg.run_dir))
+    return stopping.exit_code
 
 
 if __name__ == "__main__":

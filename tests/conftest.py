@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -51,6 +52,16 @@ def reference_run(tiny_data, tmp_path_factory) -> Path:
     resumed run with plain single-device training (each launch costs seconds of start-up)."""
     run = tmp_path_factory.mktemp("reference") / "run"
     run_script("train.py", *tiny_args(tiny_data, run, *REFERENCE_STEPS), in_process=True)
+    return run
+
+
+@pytest.fixture(scope="session")
+def ddp_reference_run(tiny_data, tmp_path_factory) -> Path:
+    """train_ddp.py on 2 ranks with REFERENCE_STEPS: beside train.py (tests/test_ddp.py) and the uninterrupted
+    run that a stopped and resumed DDP run must repeat bit for bit (tests/test_stop.py)."""
+    run = tmp_path_factory.mktemp("ddp_reference") / "ddp"
+    proc = run_script("train_ddp.py", *tiny_args(tiny_data, run, *REFERENCE_STEPS), ranks=2)
+    assert "world_size=2 nodes=1 backend=gloo" in proc.stdout
     return run
 
 
@@ -207,6 +218,45 @@ def _run_in_process(args: list[str]) -> subprocess.CompletedProcess:
         torch.set_num_threads(threads)
         os.chdir(cwd)
     return subprocess.CompletedProcess(["(in process)", *args], code, out.getvalue(), err.getvalue())
+
+
+def stop_mid_run(script_args: list[str], run_dir: Path, ranks: int = 1, signum: int = signal.SIGTERM,
+                 to_rank: int = 0, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Start ``python SCRIPT ARGS`` (as ``ranks`` ranks, as run_script does), and once run_dir's metrics.jsonl
+    records a training step, send ``signum`` to rank ``to_rank`` alone, as scancel or sbatch --signal would.
+    The ranks are paused (SIGSTOP) around the signal, so it lands in the middle of a later step, whatever
+    the machine's speed. Returns the ranks' exit codes (``returncode``: the list) and their output."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if ranks > 1:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(ranks),
+                   LOCAL_WORLD_SIZE=str(ranks), GROUP_RANK="0")
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = [open(f"{tmp}/{r}.out", "w+") for r in range(ranks)]
+        procs = [subprocess.Popen([sys.executable, *script_args], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                  env={**env, **({"RANK": str(r), "LOCAL_RANK": str(r)} if ranks > 1 else {})})
+                 for r, out in enumerate(outs)]
+        metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + timeout
+        try:
+            while not (metrics.exists() and '"kind": "train"' in metrics.read_text()):
+                assert all(p.poll() is None for p in procs), "a rank ended before the signal"
+                assert time.monotonic() < deadline, "no training step logged in time"
+                time.sleep(0.01)
+            for p in procs:
+                p.send_signal(signal.SIGSTOP)
+            procs[to_rank].send_signal(signum)
+            for p in procs:
+                p.send_signal(signal.SIGCONT)
+            codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        texts = []
+        for out in outs:
+            out.seek(0)
+            texts.append(out.read())
+            out.close()
+    return subprocess.CompletedProcess(script_args, codes, "".join(texts), "")
 
 
 def _free_port() -> int:

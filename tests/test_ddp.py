@@ -56,9 +56,9 @@ def launch_beside_reference(script: str, name: str, tiny_data, reference_run, tm
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_data, reference_run, tmp_path_factory):
+def runs(reference_run, ddp_reference_run):
     """Shared by several tests because torchrun's start-up dominates their time."""
-    return launch_beside_reference("train_ddp.py", "ddp", tiny_data, reference_run, tmp_path_factory)
+    return {"single": reference_run, "ddp": ddp_reference_run}
 
 
 def test_two_ranks_equal_one_device(runs):

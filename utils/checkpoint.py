@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import errno
 import os
 import random
@@ -372,6 +373,42 @@ def latest_checkpoint(ckpt_dir) -> Optional[Path]:
     """The complete checkpoint with the highest step in ``ckpt_dir``, or None if there is none."""
     found = checkpoints_by_step(Path(ckpt_dir))
     return found[-1][1] if found else None
+
+
+def check_model_settings(saved: dict, cfg, path) -> None:
+    """A resume must build the model that the checkpoint holds: name the model keys whose values differ."""
+    differ = [f"{f.name} {getattr(cfg.model, f.name)!r} (checkpoint: {saved[f.name]!r})"
+              for f in dataclasses.fields(cfg.model) if f.name in saved and saved[f.name] != getattr(cfg.model, f.name)]
+    if differ:
+        raise CheckpointError(f"{path} holds a model built with other settings: {', '.join(differ)}; a resumed run "
+                              "must use the run's model settings (drop those overrides)")
+
+
+def checkpoint_to_resume(ckpt_dir, resume, sharded: bool = False) -> Optional[Path]:
+    """The checkpoint a run continues from, or None for a fresh start: ``resume`` true needs one, "auto"
+    takes the newest if there is one (a requeued or restarted job), false takes none. ``sharded``: the
+    script resumes DCP folders (train_fsdp.py, train_mp.py, train_pp.py), else step_N.pt files; a folder
+    holding only the other kind is refused in one line that says which scripts write it."""
+    if not resume:
+        return None
+    ckpt_dir = Path(ckpt_dir)
+    found = checkpoints_by_step(ckpt_dir, sharded)
+    if found:
+        return found[-1][1]
+    other = checkpoints_by_step(ckpt_dir, not sharded)
+    if other and sharded:
+        raise CheckpointError(f"{ckpt_dir} holds single-file checkpoints (train.py / train_ddp.py), which this "
+                              "script does not resume: resume with the script that wrote them, or choose another "
+                              "--run_dir")
+    if other:
+        folder = other[-1][1]
+        raise CheckpointError(f"{ckpt_dir} holds DCP checkpoint folders ({folder.name}), which train_fsdp.py, "
+                              "train_mp.py and train_pp.py write: resume with the script that wrote them, or turn "
+                              f"the newest into this script's format: python -m utils.parallel.fsdp export {folder} "
+                              f"{ckpt_dir}/{folder.name}.pt")
+    if resume == "auto":
+        return None
+    raise CheckpointError(f"--resume: no checkpoint in {ckpt_dir}; run without --resume to start fresh")
 
 
 def load_checkpoint(path, map_location="cpu", weights_only: bool = True) -> dict:

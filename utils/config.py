@@ -193,8 +193,9 @@ class TrainConfig:
     """Most recent checkpoints kept on disk."""
     run_dir: str = "runs/default"
     """Folder for metrics.jsonl, TensorBoard events, checkpoints, samples and profiles."""
-    resume: bool = False
-    """Continue from the latest checkpoint in run_dir/checkpoints."""
+    resume: typing.Union[bool, Literal["auto"]] = False
+    """true: continue from the latest checkpoint in run_dir/checkpoints (there must be one); auto: continue if
+    run_dir holds one, else start fresh (what requeued and restarted jobs use); false: start fresh."""
     progress: Literal["auto", "always", "never"] = "auto"
     """Progress bar: auto shows it when stdout is a terminal."""
 
@@ -328,6 +329,15 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         if value not in args:
             raise ConfigError(f"{key}: {value!r} is not one of {', '.join(repr(a) for a in args)}")
         return value
+    if origin is typing.Union and any(typing.get_origin(a) is Literal for a in args):  # e.g. bool or "auto"
+        choices = next(a for a in args if typing.get_origin(a) is Literal)
+        if value in typing.get_args(choices):
+            return value
+        try:
+            return _coerce(key, value, next(a for a in args if typing.get_origin(a) is not Literal))
+        except ConfigError:
+            raise ConfigError(f"{key}: expected true, false or {' or '.join(typing.get_args(choices))}, "
+                              f"got {value!r}") from None
     if origin is typing.Union and type(None) in args:
         return None if value is None else _coerce(key, value, next(a for a in args if a is not type(None)))
     if origin is list:
@@ -541,7 +551,7 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
         hints = _resolved_types(cls)
         for f in dataclasses.fields(cls):
             # A bare boolean flag means true: --resume == --resume true.
-            flag = {"nargs": "?", "const": True} if hints[f.name] is bool else {}
+            flag = {"nargs": "?", "const": True} if bool in (hints[f.name], *typing.get_args(hints[f.name])) else {}
             group.add_argument(f"--{f.name}", dest=f"cfg__{f.name}", metavar="V", default=argparse.SUPPRESS,
                                type=_parse_value, help=docs.get(f.name, ""), **flag)
 

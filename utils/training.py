@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from utils.checkpoint import (CheckpointError, StorageError, TrainState, capture_rng_state, restore_rng_state,
-                              strip_wrapper_prefixes)
+from utils.checkpoint import (CheckpointError, StorageError, TrainState, capture_rng_state, check_model_settings,
+                              newest_complete_checkpoint, restore_rng_state, strip_wrapper_prefixes)
 from utils.config import Config, ConfigError, lr_scale
 from utils.data.common import STEP_STREAM, DataError, stable_hash
 from utils.parallel.distributed import DistEnv, device_for, read_dist_env
@@ -167,7 +167,12 @@ def checkpoint_payload(model, optimizer, scheduler, scaler, state: TrainState, c
     }
 
 
-def restore_payload(payload: dict, model, optimizer, scheduler, scaler) -> TrainState:
+def restore_payload(payload: dict, model, optimizer, scheduler, scaler, cfg: Optional[Config] = None,
+                    path="the checkpoint") -> TrainState:
+    """Load a single-file checkpoint's contents into the run's objects; with ``cfg``, first check that it
+    builds the same model (one line naming the keys that differ, instead of load_state_dict's size mismatch)."""
+    if cfg is not None:
+        check_model_settings(payload.get("config", {}), cfg, path)
     model.load_state_dict(payload["model"])
     optimizer.load_state_dict(payload["optimizer"])
     scheduler.load_state_dict(payload["scheduler"])
@@ -177,6 +182,51 @@ def restore_payload(payload: dict, model, optimizer, scheduler, scaler) -> Train
 
 
 # ----------------------------------------------------------------------------- loop helpers
+
+
+class StopRequest:
+    """SIGTERM (scancel, preemption, a node shutting down) or SIGUSR1 (``sbatch --signal``, sent a chosen time
+    before the job's limit) ends the run at the next step boundary, on every rank after the same step.
+
+    The handler only notes the signal. :meth:`agreed` (every step, on every rank) shares it: one max
+    all-reduce of one number over a gloo group on the CPU (over a CUDA job's NCCL group it would cost a
+    host sync each step), so a signal that reached one rank stops them all together and none is left
+    waiting in a collective. Build it on every rank at the same point (it creates a process group).
+    """
+
+    def __init__(self):
+        self.signal: Optional[str] = None  # the agreed signal's name, once a rank got one
+        self._received = 0
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._note)
+        distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        self._group = torch.distributed.new_group(backend="gloo") if distributed else None
+
+    def _note(self, signum, _frame) -> None:
+        self._received = self._received or signum
+
+    def agreed(self) -> bool:
+        """Whether any rank has been asked to stop (collective)."""
+        received = self._received
+        if self._group is not None:
+            flag = torch.tensor([received], dtype=torch.int64)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._group)
+            received = int(flag)
+        if received:
+            self.signal = signal.Signals(received).name
+        return bool(received)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_STOPPED if self.signal else 0
+
+    def summary(self, step: int, run_dir) -> str:
+        """The run's last line: done, or stopped (by which signal, the checkpoint, how to continue)."""
+        if not self.signal:
+            return f"done: {step} steps; outputs in {run_dir}"
+        checkpoint = newest_complete_checkpoint(f"{run_dir}/checkpoints")
+        return (f"stopped at step {step} by {self.signal}: checkpoint {checkpoint}; continue with the same "
+                f"command and --resume auto (exit code {EXIT_STOPPED})")
 
 
 def check_finite(loss_total: torch.Tensor, step: int, ckpt_dir) -> float:
@@ -199,6 +249,10 @@ def show_progress(mode: str) -> bool:
 EXIT_CODES = {StorageError: 4, ConfigError: 2, DataError: 2, CheckpointError: 2, NonFiniteLossError: 3}
 """Exit code of each expected failure, first match wins (StorageError is a CheckpointError): 2 bad input
 (config, data, checkpoint, run directory), 3 the loss diverged, 4 a write failed (disk full, quota, I/O error)."""
+EXIT_STOPPED = 75
+"""Exit code of a run that stopped on request (SIGTERM, SIGUSR1) after checkpointing the step it was on:
+BSD's EX_TEMPFAIL, "try again later". The job scripts requeue on it; --resume (or --resume auto) continues."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 RANK_ERROR_GRACE_S = 10.0
 """How long a rank other than 0 keeps its error to itself, waiting for the launcher to stop it."""
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer")
@@ -250,8 +304,8 @@ def exit_process(code: int) -> None:
     process ends at once.
     """
     if read_dist_env().world_size > 1:
-        for child in multiprocessing.active_children():  # DataLoader workers (daemons)
-            child.terminate()
+        for child in multiprocessing.active_children():  # DataLoader workers (daemons; they ignore SIGTERM)
+            child.kill()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

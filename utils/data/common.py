@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 from pathlib import Path
 
 import h5py
@@ -159,6 +160,14 @@ class ResumableDistributedSampler(DistributedSampler):
         return self.num_samples - self.start_index
 
 
+def ignore_stop_signals(_worker_id: int = 0) -> None:
+    """In a DataLoader worker: leave SIGTERM and SIGUSR1 to the training process. A job's stop signal reaches
+    every process of the job step; a worker that died of it would fail the training process's next batch
+    before it could checkpoint (utils.training.StopRequest). The loader still stops its workers itself."""
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
+
+
 def build_dataloader(dataset, batch_size: int, *, shuffle: bool, seed: int = 0, rank: int = 0, world_size: int = 1,
                      num_workers: int = 0, pin_memory: bool = False, persistent_workers: bool = False,
                      prefetch_factor: int = 2, drop_last: bool = False) -> DataLoader:
@@ -179,7 +188,8 @@ def build_dataloader(dataset, batch_size: int, *, shuffle: bool, seed: int = 0, 
                                           drop_last=drop_last, batch_size=batch_size)
     workers = {}
     if num_workers > 0:
-        workers = dict(persistent_workers=persistent_workers, prefetch_factor=prefetch_factor)
+        workers = dict(persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
+                       worker_init_fn=ignore_stop_signals)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                       pin_memory=pin_memory and torch.cuda.is_available(), drop_last=drop_last,
                       generator=torch.Generator().manual_seed(seed), **workers)

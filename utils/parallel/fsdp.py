@@ -39,8 +39,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from utils.checkpoint import (DCP_METADATA, TEMP_PREFIX, CheckpointError, StorageError, TrainState, capture_rng_state,
-                              checkpoints_by_step, ensure_writable_dir, fsync_dir, replaced_atomically,
-                              restore_rng_state, write_failure)
+                              check_model_settings, checkpoints_by_step, ensure_writable_dir, fsync_dir,
+                              replaced_atomically, restore_rng_state, write_failure)
 from utils.config import ConfigError
 from utils.parallel.distributed import barrier, ensure_process_group
 from utils.parallel.plans import ac_units
@@ -258,8 +258,13 @@ def save_sharded_checkpoint(ckpt_dir, step: int, payload: dict, keep: int = 2) -
     return final
 
 
-def load_sharded_checkpoint(path, model, optimizer, scheduler, scaler) -> TrainState:
-    """Load a DCP checkpoint into the already sharded model and its optimizer (any rank count); collective."""
+def load_sharded_checkpoint(path, model, optimizer, scheduler, scaler, cfg=None) -> TrainState:
+    """Load a DCP checkpoint into the already sharded model and its optimizer (any rank count); collective.
+    With ``cfg``, first check that it builds the same model (one line naming the keys that differ)."""
+    if cfg is not None:
+        saved = {"config": ""}
+        dcp.load(saved, checkpoint_id=path)  # the config alone: one small entry
+        check_model_settings(json.loads(saved["config"] or "{}"), cfg, path)
     payload = sharded_payload(model, optimizer, scheduler, scaler, TrainState())
     try:
         dcp.load(payload, checkpoint_id=path)

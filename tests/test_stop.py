@@ -1,0 +1,119 @@
+"""A stop request becomes a checkpoint: SIGTERM (scancel, preemption) or SIGUSR1 (sbatch --signal, before
+the time limit), sent to one process of a run, stops every rank after the same step; the run writes that
+step's checkpoint and exits 75 with one line, and `--resume auto` continues it to the weights of an
+uninterrupted run: bit-identical for train.py and train_ddp.py, within the fp32 tolerance of the
+equivalence tests for the sharded train_fsdp.py. train_with_profiling.py, train_mp.py and train_pp.py
+stop the same way (exit code, line, the checkpoint of that step).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import (REFERENCE_STEPS, read_metrics, resume_from, run_script, stop_mid_run, tiny_args,
+                            vit_args, weights_at)
+from tests.test_ddp import assert_same_weights, train_losses
+from tests.test_fsdp import exported
+from tests.test_train import check_error
+from utils.training import EXIT_STOPPED
+
+STOPPED = re.compile(r"stopped at step (\d+) by (SIGTERM|SIGUSR1): checkpoint (\S+); continue with the same "
+                     r"command and --resume auto \(exit code 75\)")
+
+
+def stopped_at(proc, signal_name: str) -> tuple[int, Path]:
+    """The step and checkpoint of the run's one stop line (rank 0's), after checking the exit codes."""
+    assert set(proc.returncode) == {EXIT_STOPPED}, proc.stdout[-3000:]
+    lines = STOPPED.findall(proc.stdout)
+    assert len(lines) == 1, proc.stdout[-3000:]
+    step, name, checkpoint = lines[0]
+    assert name == signal_name and 1 <= int(step) < 10, lines[0]
+    assert Path(checkpoint).name.startswith(f"step_{int(step):08d}") and Path(checkpoint).exists()
+    return int(step), Path(checkpoint)
+
+
+def assert_identical(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "weights differ"
+
+
+def test_train_py_stops_on_sigterm_and_resumes_to_identical_weights(tiny_data, reference_run, tmp_path):
+    run = tmp_path / "run"
+    args = tiny_args(tiny_data, run, *REFERENCE_STEPS)
+    step, checkpoint = stopped_at(stop_mid_run(["train.py", *args], run), "SIGTERM")
+    resumed = run_script("train.py", *args, "--resume", "auto", in_process=True)
+    assert f"resumed from {checkpoint} at step {step}" in resumed.stdout
+    assert_identical(weights_at(run, 10), weights_at(reference_run, 10))
+    assert train_losses(run) == train_losses(reference_run)  # every step's loss, both segments
+
+
+def test_a_signal_to_one_ddp_rank_stops_both_and_resumes_exactly(tiny_data, ddp_reference_run, tmp_path):
+    run = tmp_path / "run"
+    args = tiny_args(tiny_data, run, *REFERENCE_STEPS)
+    stopped_at(stop_mid_run(["train_ddp.py", *args], run, ranks=2, signum=signal.SIGUSR1, to_rank=1), "SIGUSR1")
+    run_script("train_ddp.py", *args, "--resume", "auto", ranks=2)
+    assert_identical(weights_at(run, 10), weights_at(ddp_reference_run, 10))
+    assert train_losses(run) == train_losses(ddp_reference_run)
+
+
+def test_fsdp_stops_and_resumes_to_the_reference_weights(tiny_data, reference_run, tmp_path):
+    run = tmp_path / "run"
+    args = tiny_args(tiny_data, run, *REFERENCE_STEPS)
+    step, checkpoint = stopped_at(stop_mid_run(["train_fsdp.py", *args], run, ranks=2, to_rank=1), "SIGTERM")
+    assert checkpoint.is_dir()  # a DCP folder, complete
+    run_script("train_fsdp.py", *args, "--resume", "auto", ranks=2)
+    assert_same_weights(exported(run, 10)["model"], weights_at(reference_run, 10))
+    torch.testing.assert_close(train_losses(run), train_losses(reference_run), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("script, layout", [("train_with_profiling.py", ()), ("train_mp.py", ("--tp", "2")),
+                                            ("train_pp.py", ("--pp", "2", "--pp_microbatches", "2"))])
+def test_every_other_script_stops_at_a_step_with_its_checkpoint(script, layout, vit_data, tmp_path):
+    run = tmp_path / "run"
+    ranks = 2 if layout else 1
+    args = vit_args(vit_data, run, "--max_steps", "10", "--log_every", "1", "--val_every", "0", *layout)
+    if script == "train_with_profiling.py":
+        args += ["--profile", "false"]
+    step, _ = stopped_at(stop_mid_run([script, *args], run, ranks=ranks, to_rank=ranks - 1), "SIGTERM")
+    assert [r["step"] for r in read_metrics(run) if r["kind"] == "train"][-1] == step
+
+
+# ------------------------------------------------------------------ resumes a restarted job meets
+
+
+def test_a_resume_with_other_model_settings_names_them(tiny_data, reference_run, tmp_path):
+    run = resume_from(reference_run, 3, tmp_path / "run")
+    proc = run_script("train.py", *tiny_args(tiny_data, run, "--resume", "--embed_dim", "24"), in_process=True,
+                      check=False)
+    last = check_error(proc.returncode, proc.stderr, 2, "holds a model built with other settings: embed_dim 24 "
+                       "(checkpoint: 16); a resumed run must use the run's model settings")
+    assert "step_00000003.pt" in last
+
+
+def test_train_py_on_a_dcp_run_says_which_scripts_wrote_it_and_how_to_continue(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    args = tiny_args(tiny_data, run, "--max_steps", "1", "--val_every", "0")
+    run_script("train_fsdp.py", *args, ranks=2)
+    for resume in ("true", "auto"):
+        proc = run_script("train.py", *args, "--resume", resume, in_process=True, check=False)
+        check_error(proc.returncode, proc.stderr, 2, "holds DCP checkpoint folders (step_00000001), which "
+                    "train_fsdp.py, train_mp.py and train_pp.py write: resume with the script that wrote them, or "
+                    f"turn the newest into this script's format: python -m utils.parallel.fsdp export "
+                    f"{run}/checkpoints/step_00000001 {run}/checkpoints/step_00000001.pt")
+
+
+def test_resume_auto_starts_fresh_in_an_empty_folder_and_refuses_another_runs_folder(tiny_data, reference_run,
+                                                                                     tmp_path):
+    run = tmp_path / "run"
+    proc = run_script("train.py", *tiny_args(tiny_data, run, "--max_steps", "1", "--resume", "auto"), in_process=True)
+    assert "resumed from" not in proc.stdout and (run / "checkpoints" / "step_00000001.pt").exists()
+    (run / "checkpoints" / "step_00000001.pt").unlink()  # outputs of a run, but no checkpoint
+    proc = run_script("train.py", *tiny_args(tiny_data, run, "--max_steps", "1", "--resume", "auto"), in_process=True,
+                      check=False)
+    check_error(proc.returncode, proc.stderr, 2, "already holds another run")
+    proc = run_script("train.py", *tiny_args(tiny_data, run, "--resume", "maybe"), in_process=True, check=False)
+    check_error(proc.returncode, proc.stderr, 2, "resume: expected true, false or auto, got 'maybe'")
