@@ -11,6 +11,12 @@
 #   Kestrel:    export SBATCH_ACCOUNT=<project>     (jobs are routed to the GPU partition by the request)
 #   Perlmutter: export SBATCH_ACCOUNT=<project> SBATCH_CONSTRAINT=gpu SBATCH_QOS=regular
 # Nodes without GPUs (e.g. the local test cluster: add --gpus-per-node=0) run CPU processes with gloo.
+#
+# Long runs (docs/part1-swinir.md, "Long runs"): SLURM sends the batch shell SIGUSR1 120 s before the time
+# limit (--signal below; change the lead with sbatch --signal=B:USR1@SECONDS); the training run then
+# checkpoints the step it is on and stops (exit code 75), and the job requeues itself to continue from
+# that checkpoint (a training script gets --resume auto unless its arguments set --resume), at most
+# MAX_REQUEUES times. scancel or a preemption (SIGTERM) also checkpoints and stops the run, without requeue.
 #SBATCH --job-name=era5-multinode
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
@@ -18,6 +24,9 @@
 #SBATCH --exclusive
 #SBATCH --time=00:30:00
 #SBATCH --output=%x-%j.out
+#SBATCH --open-mode=append
+#SBATCH --signal=B:USR1@120
+#SBATCH --requeue
 
 # ---- Settings: edit here, or set them in the environment of sbatch (SITE=kestrel sbatch ...) -------
 # SITE picks the defaults of the settings below: kestrel, perlmutter or generic (any other SLURM).
@@ -33,6 +42,8 @@ CPU_NPROC_PER_NODE=${CPU_NPROC_PER_NODE:-2}
 RDZV_PORT=${RDZV_PORT:-$((29500 + ${SLURM_JOB_ID:-0} % 1000))}
 # torchrun on every node, or python: a single process without torchrun (what submit_singlegpu.sh sets).
 LAUNCHER=${LAUNCHER:-torchrun}
+# How often a job may requeue itself after a stop before its time limit (SLURM_RESTART_COUNT counts them).
+MAX_REQUEUES=${MAX_REQUEUES:-10}
 
 case "$SITE" in
   kestrel)
@@ -99,12 +110,62 @@ activate_python_env() {
 command -v "$LAUNCHER" >/dev/null || die "$LAUNCHER not found: set PYTHON_ENV to an environment with PyTorch"
 
 gpus_per_node=${SLURM_GPUS_ON_NODE:-0}
+[[ $LAUNCHER == torchrun || $LAUNCHER == python ]] || die "LAUNCHER=$LAUNCHER is not one of torchrun, python"
+
+# A requeued job continues its run: training scripts resume from the newest checkpoint, if there is one.
+if [[ $(basename "$1") == train*.py && " $* " != *" --resume"* ]]; then
+  set -- "$@" --resume auto
+fi
+
+# The run goes on in the background so that this shell can catch SIGUSR1 (the time limit is near) and
+# SIGTERM (scancel, preemption) and pass them on as SIGTERM: the training processes then checkpoint
+# the step they are on and stop (exit code 75). torchrun forwards SIGTERM to its workers.
+stop_signal=
+# shellcheck disable=SC2317  # called by the traps below
+stop_run() {
+  stop_signal=$1
+  echo "job $SLURM_JOB_ID: SIG$1 received: the run checkpoints its current step and stops"
+  if [[ $LAUNCHER == python ]]; then
+    kill -TERM "$run_pid" 2>/dev/null || true
+  else
+    scancel --signal=TERM "$SLURM_JOB_ID"  # every process of the job's steps, not this shell
+  fi
+}
+trap 'stop_run USR1' USR1
+trap 'stop_run TERM' TERM
+
+finish() {  # $1: the run's exit status
+  if [[ $stop_signal == USR1 ]]; then
+    local restarts=${SLURM_RESTART_COUNT:-0}
+    if ((restarts >= MAX_REQUEUES)); then
+      echo "error: job $SLURM_JOB_ID reached its time limit $((restarts + 1)) times (MAX_REQUEUES=$MAX_REQUEUES):" \
+        "not requeued; submit it again to continue (the run resumes from its newest checkpoint)" >&2
+      exit 1
+    fi
+    echo "job $SLURM_JOB_ID: requeued (segment $((restarts + 2))), to continue from the newest checkpoint"
+    scontrol requeue "$SLURM_JOB_ID"
+    exit 0
+  fi
+  exit "$1"
+}
+
+wait_for_run() {  # a trapped signal interrupts `wait`: wait again until the run itself has ended
+  local status=0
+  wait "$run_pid" || status=$?
+  while kill -0 "$run_pid" 2>/dev/null; do
+    status=0
+    wait "$run_pid" || status=$?
+  done
+  finish "$status"
+}
+
 if [[ $LAUNCHER == python ]]; then
   echo "job $SLURM_JOB_ID: 1 process on ${SLURMD_NODENAME:-$(hostname)}, $gpus_per_node GPUs, site $SITE"
   echo "running: python $*"
-  exec python "$@"
+  python "$@" &
+  run_pid=$!
+  wait_for_run
 fi
-[[ $LAUNCHER == torchrun ]] || die "LAUNCHER=$LAUNCHER is not one of torchrun, python"
 if [[ $NPROC_PER_NODE == auto ]]; then
   if ((gpus_per_node > 0)); then NPROC_PER_NODE=$gpus_per_node; else NPROC_PER_NODE=$CPU_NPROC_PER_NODE; fi
 fi
@@ -136,4 +197,6 @@ srun --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task="$SLURM
   --rdzv-endpoint="$rdzv_host:$RDZV_PORT" \
   --rdzv-id="$SLURM_JOB_ID" \
   --max-restarts=0 \
-  "$@"
+  "$@" &
+run_pid=$!
+wait_for_run

@@ -8,6 +8,7 @@
 # submit_multinode.sh, which this job runs with LAUNCHER=python; PYTHON_ENV defaults to era5-scaling,
 # the conda environment of conda-env.yml (docs/setup.md). Account, partition and constraint as there:
 # SBATCH_ACCOUNT, SBATCH_CONSTRAINT=gpu and SBATCH_QOS=shared (Perlmutter: a quarter node).
+# Long runs: as submit_multinode.sh (SIGUSR1 before the time limit -> checkpoint, stop, requeue, resume).
 #SBATCH --job-name=era5-1gpu
 #SBATCH --nodes=1
 #SBATCH --ntasks=1
@@ -15,6 +16,9 @@
 #SBATCH --cpus-per-task=32
 #SBATCH --time=01:00:00
 #SBATCH --output=%x-%j.out
+#SBATCH --open-mode=append
+#SBATCH --signal=B:USR1@120
+#SBATCH --requeue
 set -euo pipefail
 
 launcher=${SLURM_SUBMIT_DIR:-.}/submit_multinode.sh

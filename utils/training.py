@@ -26,7 +26,7 @@ from utils.checkpoint import (CheckpointError, StorageError, TrainState, capture
                               newest_complete_checkpoint, restore_rng_state, strip_wrapper_prefixes)
 from utils.config import Config, ConfigError, lr_scale
 from utils.data.common import STEP_STREAM, DataError, stable_hash
-from utils.parallel.distributed import DistEnv, device_for, read_dist_env
+from utils.parallel.distributed import DistEnv, device_for, joined_job, read_dist_env
 
 
 class NonFiniteLossError(RuntimeError):
@@ -303,7 +303,7 @@ def exit_process(code: int) -> None:
     closed; the DataLoader workers are stopped as the interpreter's exit would stop them, and the
     process ends at once.
     """
-    if read_dist_env().world_size > 1:
+    if joined_job():
         for child in multiprocessing.active_children():  # DataLoader workers (daemons; they ignore SIGTERM)
             child.kill()
         sys.stdout.flush()

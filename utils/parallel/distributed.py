@@ -112,6 +112,14 @@ def lone_process_note(device: torch.device) -> str:
             f"for N processes: torchrun --nproc-per-node N {Path(sys.argv[0]).name} ...")
 
 
+_joined_job = False  # set by init_distributed: this process is one rank of a multi-process job
+
+
+def joined_job() -> bool:
+    """Whether this process joined a job of several processes (init_distributed), now or earlier."""
+    return _joined_job
+
+
 def init_distributed(timeout_s: float = 300.0) -> tuple[DistEnv, torch.device]:
     """Read the environment, pick the device and join the process group (one of its own for a lone process).
 
@@ -146,6 +154,8 @@ def init_distributed(timeout_s: float = 300.0) -> tuple[DistEnv, torch.device]:
         timeout=datetime.timedelta(seconds=timeout_s),
         device_id=device if device.type == "cuda" else None,
     )
+    global _joined_job
+    _joined_job = True
     return env, device
 
 
