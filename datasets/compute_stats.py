@@ -30,6 +30,7 @@ import os
 import re
 import shutil
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -187,6 +188,21 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+@contextmanager
+def errors_as_one_line(parser: argparse.ArgumentParser, known: type[Exception], out: Path, interrupted: str):
+    """The datasets/ commands' exits: bad input (``known``: the message is the line) and a failed write under
+    ``out`` (``cannot_write``) stop with one line and status 2; Ctrl-C with status 130 and the line
+    "interrupted; ``interrupted``", which says what the interrupted command left behind."""
+    try:
+        yield
+    except known as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    except OSError as e:
+        parser.exit(2, f"{parser.prog}: error: {cannot_write(e, out)}\n")
+    except KeyboardInterrupt:
+        parser.exit(130, f"{parser.prog}: interrupted; {interrupted}\n")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = OneLineParser(
         description="Per-channel mean/std and time-mean field of a split, streamed: <data_dir>/stats/*.npy.",
@@ -197,14 +213,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="output folder (default <data_dir>/stats)")
     args = parser.parse_args(argv)
     out = args.out if args.out is not None else args.data_dir / STATS_DIR
-    try:
+    with errors_as_one_line(parser, StatsError, out, "nothing written"):
         arrays = compute_stats(args.data_dir, args.split, out)
-    except StatsError as e:
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
-    except OSError as e:
-        parser.exit(2, f"{parser.prog}: error: {cannot_write(e, out)}\n")
-    except KeyboardInterrupt:
-        parser.exit(130, f"{parser.prog}: interrupted; nothing written\n")
     _, c, h, w = arrays["time_means"].shape
     print(f"wrote {', '.join(name + '.npy' for name in OUTPUTS)} under {out} ({c} channels, {h}x{w}, "
           f"from {args.data_dir / args.split})")

@@ -71,9 +71,9 @@ import numpy as np
 from tqdm import tqdm
 
 if __package__:  # imported as datasets.make_synthetic_era5
-    from .compute_stats import OneLineParser, StatsError, cannot_write, compute_stats
+    from .compute_stats import OneLineParser, StatsError, compute_stats, errors_as_one_line
 else:  # run as a script: datasets/ is on sys.path
-    from compute_stats import OneLineParser, StatsError, cannot_write, compute_stats
+    from compute_stats import OneLineParser, StatsError, compute_stats, errors_as_one_line
 
 # SuperBench's per-channel statistics (the targets); utils/data/era5.py holds the same values as
 # SUPERBENCH_MEAN/STD (a test checks they agree). Not imported from there: this script needs no torch.
@@ -741,19 +741,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     extra_splits: dict[str, list[int]] = {}
     for name, years in args.split:  # --split test=2017 --split test=2018 adds up
         extra_splits.setdefault(name, []).extend(years)
-    try:
+    with errors_as_one_line(parser, GenerationError, args.out, "completed files were kept, the partial one removed"):
         files = make_synthetic_era5(
             args.out, args.samples_per_year, args.height, args.width, args.seed,
             args.train_years, args.valid_years, extra_splits=extra_splits, chunk=args.chunk,
             progress=False if args.quiet else None, channels=args.channels, hours_per_step=args.hours_per_step,
             stats=not args.no_stats,
         )
-    except GenerationError as e:
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
-    except OSError as e:
-        parser.exit(2, f"{parser.prog}: error: {cannot_write(e, args.out)}\n")
-    except KeyboardInterrupt:
-        parser.exit(130, f"{parser.prog}: interrupted; completed files were kept, the partial one removed\n")
     size_gb = sum(f.stat().st_size for f in files) / 1e9
     stats = " and stats/ (from train/)" if args.train_years and not args.no_stats else ""
     print(f"wrote {len(files)} files ({size_gb:.2f} GB){stats} under {args.out}")

@@ -42,9 +42,9 @@ import numpy as np
 from tqdm import tqdm
 
 try:  # python datasets/make_synthetic_volume.py, or imported as datasets.make_synthetic_volume
-    from .compute_stats import OneLineParser, cannot_write
+    from .compute_stats import OneLineParser, errors_as_one_line
 except ImportError:
-    from compute_stats import OneLineParser, cannot_write
+    from compute_stats import OneLineParser, errors_as_one_line
 
 INPUT_NAMES = ("dm density", "dm vx", "dm vy", "dm vz")
 TARGET_NAMES = ("gas density", "temperature", "gas vx", "gas vy", "gas vz")
@@ -161,18 +161,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="same seed, same bytes")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    try:
-        files = make_synthetic_volume(args.out, args.train_side, args.valid_side, args.seed,
-                                      progress=False if args.quiet else None)
-    except GenerationError as e:
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
-    except OSError as e:
-        parser.exit(2, f"{parser.prog}: error: {cannot_write(e, args.out)}\n")
-    except MemoryError:
-        parser.exit(2, f"{parser.prog}: error: not enough memory for these boxes (about 50 float64 copies of the "
-                       "grid); use smaller --train-side/--valid-side\n")
-    except KeyboardInterrupt:
-        parser.exit(130, f"{parser.prog}: interrupted; completed files were kept, the partial one removed\n")
+    with errors_as_one_line(parser, GenerationError, args.out, "completed files were kept, the partial one removed"):
+        try:
+            files = make_synthetic_volume(args.out, args.train_side, args.valid_side, args.seed,
+                                          progress=False if args.quiet else None)
+        except MemoryError:  # this command alone builds whole boxes in memory: its own line
+            parser.exit(2, f"{parser.prog}: error: not enough memory for these boxes (about 50 float64 copies of "
+                           "the grid); use smaller --train-side/--valid-side\n")
     size_mb = sum(f.stat().st_size for f in files) / 1e6
     print(f"wrote {len(files)} files ({size_mb:.0f} MB) under {args.out}")
     return 0

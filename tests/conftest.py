@@ -2,6 +2,7 @@
 
 import json
 import os
+import runpy
 import shutil
 import signal
 import socket
@@ -10,12 +11,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable, Sequence
+from unittest import mock
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from utils.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
+from utils.parallel.distributed import cleanup_distributed  # noqa: E402
 
 # A SwinIR small enough to train a few steps in seconds on 2 cores; tests add it to script calls.
 TINY_MODEL = ["--depths", "[2]", "--num_heads", "[2]", "--embed_dim", "16", "--img_size", "16",
@@ -170,6 +174,24 @@ def resume_from(source: Path, step: int, run_dir: Path) -> Path:
     return run_dir
 
 
+def run_then_resume(root: Path, single: Path, script: str, args: Callable[..., list[str]],
+                    first: tuple[str, Sequence[str], Sequence[str]], then: tuple[str, Sequence[str], str],
+                    step: int = 3) -> dict[str, Path]:
+    """``script`` on 2 ranks in one layout, then its step-``step`` checkpoint resumed in another: each launch
+    is (run folder name under ``root``, its flags: ``args(run_dir, *flags)``, what its stdout must hold: a
+    list, then one line beside "resumed from"). Returns {"single": ``single``, the two names: their folders}
+    for tests that compare them with that single-device reference."""
+    (name, flags, says), (resumed, resumed_flags, resumed_says) = first, then
+    runs = {"single": single, name: root / name}
+    proc = run_script(script, *args(runs[name], *flags), ranks=2)
+    for line in says:
+        assert line in proc.stdout
+    runs[resumed] = resume_from(runs[name], step, root / resumed)
+    proc = run_script(script, *args(runs[resumed], *resumed_flags, "--resume"), ranks=2)
+    assert resumed_says in proc.stdout and "resumed from" in proc.stdout
+    return runs
+
+
 def run_script(*args: str, timeout: float = 240, env_extra: dict | None = None, check: bool = True,
                launcher: list[str] | None = None, ranks: int = 0, in_process: bool = False) -> subprocess.CompletedProcess:
     """Run a project script (e.g. "train.py", "--config", ...) in a fresh interpreter from the repo root.
@@ -196,11 +218,22 @@ def run_script(*args: str, timeout: float = 240, env_extra: dict | None = None, 
     return proc
 
 
+def exit_in_one_process(capsys, script: str, *args: str) -> tuple[int | str | None, list[str]]:
+    """``python SCRIPT ARGS`` in this process (no torchrun: 1 rank), as tests/test_script_invariants.py runs the
+    scripts, for a command line that must stop (SystemExit): its exit code and the lines of its stderr. The
+    one-rank process group it may have started is destroyed whatever happens: later tests start without one."""
+    with mock.patch.object(sys, "argv", [script, *args]):
+        try:
+            with pytest.raises(SystemExit) as exit_info:
+                runpy.run_path(str(REPO / script), run_name="__main__")
+        finally:
+            cleanup_distributed()
+    return exit_info.value.code, capsys.readouterr().err.strip().splitlines()
+
+
 def _run_in_process(args: list[str]) -> subprocess.CompletedProcess:
     import contextlib
     import io
-    import runpy
-    from unittest import mock
 
     import torch
 

@@ -16,20 +16,18 @@
 from __future__ import annotations
 
 import json
-import runpy
-import sys
 
 import pytest
 import torch
 
-from tests.conftest import (REFERENCE_STEPS, REPO, VIT_STEPS, FakeMesh, read_metrics, resume_from, run_script,
-                            tiny_args, vit_args, weights_at)
+from tests.conftest import (REFERENCE_STEPS, VIT_STEPS, FakeMesh, exit_in_one_process, read_metrics, run_script,
+                            run_then_resume, tiny_args, vit_args, weights_at)
 from tests.test_ddp import assert_same_weights, train_losses
 from tests.test_fsdp import exported
-from tests.test_vit_training import assert_equals_single_device, val_records
+from tests.test_vit_training import assert_equals_single_device, assert_resumed_equals_single_device, val_records
 from utils.config import ConfigError, build_config
 from utils.parallel.context_parallel import apply_cp, band_rows
-from utils.parallel.distributed import cleanup_distributed, mp_mesh_layout
+from utils.parallel.distributed import mp_mesh_layout
 from utils.parallel.tensor_parallel import apply_tp
 
 # ------------------------------------------------------------------ every layout, step by step
@@ -57,28 +55,20 @@ def test_every_layout_gives_one_process_gradients_and_a_missing_cp_reduction_is_
 def mp_runs(vit_data, vit_reference, tmp_path_factory):
     """tp 2 from scratch; cp 2 with activation checkpointing, resumed from tp 2's step-3 checkpoint (DCP
     reshards across layouts)."""
-    root = tmp_path_factory.mktemp("mp_runs")
-    runs = {"single": vit_reference, "tp2": root / "tp2"}
-    proc = run_script("train_mp.py", *vit_args(vit_data, runs["tp2"], *VIT_STEPS, "--tp", "2"), ranks=2)
-    assert "world_size=2 nodes=1 backend=gloo | mesh dp 1 x cp 1 x tp 2" in proc.stdout
-    runs["cp2"] = resume_from(runs["tp2"], 3, root / "cp2")
-    proc = run_script("train_mp.py", *vit_args(vit_data, runs["cp2"], *VIT_STEPS, "--cp", "2", "--ac", "block",
-                                               "--resume"), ranks=2)
-    assert "mesh dp 1 x cp 2 x tp 1" in proc.stdout and "resumed from" in proc.stdout
-    return runs
+    return run_then_resume(tmp_path_factory.mktemp("mp_runs"), vit_reference, "train_mp.py",
+                           lambda run, *flags: vit_args(vit_data, run, *VIT_STEPS, *flags),
+                           ("tp2", ["--tp", "2"], ["world_size=2 nodes=1 backend=gloo | mesh dp 1 x cp 1 x tp 2"]),
+                           ("cp2", ["--cp", "2", "--ac", "block"], "mesh dp 1 x cp 2 x tp 1"))
 
 
 def test_tensor_parallel_run_equals_one_device(mp_runs):
-    tp2 = mp_runs["tp2"]
-    assert_equals_single_device(tp2, mp_runs["single"], lambda step: exported(tp2, step))
+    assert_equals_single_device(mp_runs["tp2"], mp_runs["single"])
 
 
 def test_a_tp_checkpoint_resumes_under_cp(mp_runs):
     # (Exported, a train_mp.py checkpoint is a train.py file: the test above compares those of steps 3
     # and 7 with train.py's own, optimizer included.)
-    single, cp2 = mp_runs["single"], mp_runs["cp2"]
-    torch.testing.assert_close(train_losses(cp2), train_losses(single)[3:], rtol=1e-4, atol=1e-6)
-    assert_same_weights(exported(cp2, 7)["model"], weights_at(single, 7))
+    assert_resumed_equals_single_device(mp_runs["cp2"], mp_runs["single"])
 
 
 @pytest.fixture(scope="module")
@@ -86,16 +76,10 @@ def swinir_runs(tiny_data, reference_run, tmp_path_factory):
     """Part I's SwinIR: tp 2 for 3 steps from scratch; then its step-3 checkpoint resumed to step 6 with
     the field split into 2 bands (domain parallelism: 16 low-res rows = 8 + 8, the shifted windows crossing
     the boundary), through validation at step 5 and its picture."""
-    root = tmp_path_factory.mktemp("swinir_runs")
-    runs = {"single": reference_run, "tp2": root / "tp2"}
-    proc = run_script("train_mp.py", *tiny_args(tiny_data, runs["tp2"], *REFERENCE_STEPS, "--max_steps", "3",
-                                                "--tp", "2"), ranks=2)
-    assert "mesh dp 1 x cp 1 x tp 2" in proc.stdout
-    runs["cp2"] = resume_from(runs["tp2"], 3, root / "cp2")
-    proc = run_script("train_mp.py", *tiny_args(tiny_data, runs["cp2"], *REFERENCE_STEPS, "--max_steps", "6",
-                                                "--cp", "2", "--resume"), ranks=2)
-    assert "mesh dp 1 x cp 2 x tp 1" in proc.stdout and "resumed from" in proc.stdout
-    return runs
+    return run_then_resume(tmp_path_factory.mktemp("swinir_runs"), reference_run, "train_mp.py",
+                           lambda run, *flags: tiny_args(tiny_data, run, *REFERENCE_STEPS, *flags),
+                           ("tp2", ["--max_steps", "3", "--tp", "2"], ["mesh dp 1 x cp 1 x tp 2"]),
+                           ("cp2", ["--max_steps", "6", "--cp", "2"], "mesh dp 1 x cp 2 x tp 1"))
 
 
 def test_swinir_tensor_parallel_run_equals_one_device(swinir_runs):
@@ -161,16 +145,10 @@ def test_hsdp_is_train_fsdp_only():
         apply_fsdp(torch.nn.Linear(2, 2), cfg, torch.device("cpu"), mesh=FakeMesh())
 
 
-def test_bad_layout_on_the_command_line_is_one_line(vit_data, tmp_path, monkeypatch, capsys):
-    # In this process (no torchrun: 1 rank), as tests/test_script_invariants.py runs the scripts.
-    monkeypatch.setattr(sys, "argv", ["train_mp.py", *vit_args(vit_data, tmp_path / "run", "--tp", "2")])
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            runpy.run_path(str(REPO / "train_mp.py"), run_name="__main__")
-    finally:
-        cleanup_distributed()
-    assert exit_info.value.code == 2
-    assert capsys.readouterr().err.strip().splitlines() == [
+def test_bad_layout_on_the_command_line_is_one_line(vit_data, tmp_path, capsys):
+    code, err = exit_in_one_process(capsys, "train_mp.py", *vit_args(vit_data, tmp_path / "run", "--tp", "2"))
+    assert code == 2
+    assert err == [
         "error: tp 2 x cp 1 = 2 does not divide the 1 ranks: choose tp and cp whose product divides the "
         "number of processes (dp = ranks / (tp x cp))"]
     assert not (tmp_path / "run").exists()

@@ -15,21 +15,18 @@
 from __future__ import annotations
 
 import json
-import runpy
-import sys
 
 import pytest
 import torch
 
 from models import build_model
-from tests.conftest import (REPO, VIT_STEPS, FakeMesh, read_metrics, resume_from, run_script, tiny_args, vit_args,
-                            weights_at)
+from tests.conftest import (VIT_STEPS, exit_in_one_process, read_metrics, run_script, run_then_resume, tiny_args,
+                            vit_args, weights_at)
 from tests.test_ddp import assert_same_weights, train_losses
 from tests.test_fsdp import exported
-from tests.test_vit_training import assert_equals_single_device
+from tests.test_vit_training import assert_equals_single_device, assert_resumed_equals_single_device
 from utils.config import ConfigError, build_config
-from utils.parallel.distributed import cleanup_distributed
-from utils.parallel.pipeline_parallel import Pipeline, balanced_split, bubble_theory, cut_stage, plan_for, stage_ids
+from utils.parallel.pipeline_parallel import balanced_split, bubble_theory, cut_stage, plan_for, stage_ids
 
 SWINIR_4 = ("--depths", "[1,1,1,1]", "--num_heads", "[2,2,2,2]")
 
@@ -63,28 +60,20 @@ def test_two_pipelines_of_two_stages_equal_one_process():
 @pytest.fixture(scope="module")
 def pp_runs(vit_data, vit_reference, tmp_path_factory):
     """The ViT as 2 stages (1F1B, 2 microbatches); resumed from its step-3 checkpoint as dp 2 x pp 1."""
-    root = tmp_path_factory.mktemp("pp_runs")
-    runs = {"single": vit_reference, "pp2": root / "pp2"}
-    proc = run_script("train_pp.py", *vit_args(vit_data, runs["pp2"], *VIT_STEPS, "--pp", "2",
-                                               "--pp_microbatches", "2"), ranks=2)
-    assert "mesh dp 1 x pp 2 | 2 stages of [1, 1] units, 1f1b, 2 microbatches" in proc.stdout
-    assert "warning: 2 microbatches for 2 stages: the bubble is 33% in theory; use >= 4 microbatches" in proc.stdout
-    runs["dp2"] = resume_from(runs["pp2"], 3, root / "dp2")
-    proc = run_script("train_pp.py", *vit_args(vit_data, runs["dp2"], *VIT_STEPS, "--pp", "1", "--pp_microbatches", "2",
-                                               "--resume"), ranks=2)
-    assert "mesh dp 2 x pp 1" in proc.stdout and "resumed from" in proc.stdout
-    return runs
+    pp2_says = ["mesh dp 1 x pp 2 | 2 stages of [1, 1] units, 1f1b, 2 microbatches",
+                "warning: 2 microbatches for 2 stages: the bubble is 33% in theory; use >= 4 microbatches"]
+    return run_then_resume(tmp_path_factory.mktemp("pp_runs"), vit_reference, "train_pp.py",
+                           lambda run, *flags: vit_args(vit_data, run, *VIT_STEPS, *flags),
+                           ("pp2", ["--pp", "2", "--pp_microbatches", "2"], pp2_says),
+                           ("dp2", ["--pp", "1", "--pp_microbatches", "2"], "mesh dp 2 x pp 1"))
 
 
 def test_vit_pipeline_equals_one_device(pp_runs):
-    pp2 = pp_runs["pp2"]
-    assert_equals_single_device(pp2, pp_runs["single"], lambda step: exported(pp2, step))
+    assert_equals_single_device(pp_runs["pp2"], pp_runs["single"])
 
 
 def test_a_pipeline_checkpoint_resumes_in_another_layout(pp_runs):
-    single, dp2 = pp_runs["single"], pp_runs["dp2"]
-    torch.testing.assert_close(train_losses(dp2), train_losses(single)[3:], rtol=1e-4, atol=1e-6)
-    assert_same_weights(exported(dp2, 7)["model"], weights_at(single, 7))
+    assert_resumed_equals_single_device(pp_runs["dp2"], pp_runs["single"])
 
 
 def test_bubble_and_memory_per_rank(pp_runs):
@@ -139,18 +128,11 @@ def test_a_stage_holds_only_its_parts_under_the_model_names():
         plan_for(torch.nn.Linear(2, 2))
 
 
-def test_unknown_schedule_and_indivisible_ranks_are_one_line(vit_data, tmp_path, monkeypatch, capsys):
-    # In this process (no torchrun: 1 rank), as tests/test_script_invariants.py runs the scripts.
+def test_unknown_schedule_and_indivisible_ranks_are_one_line(vit_data, tmp_path, capsys):
     for extra, message in ((("--pp_schedule", "dualpipe"), "pp_schedule"),
                            (("--pp", "2"), "error: pp 2 does not divide the 1 ranks: choose a pp that divides "
                                            "the number of processes (dp = ranks / pp)")):
-        monkeypatch.setattr(sys, "argv", ["train_pp.py", *vit_args(vit_data, tmp_path / "run", *extra)])
-        try:
-            with pytest.raises(SystemExit) as exit_info:
-                runpy.run_path(str(REPO / "train_pp.py"), run_name="__main__")
-        finally:
-            cleanup_distributed()
-        assert exit_info.value.code == 2
-        err = capsys.readouterr().err.strip().splitlines()
+        code, err = exit_in_one_process(capsys, "train_pp.py", *vit_args(vit_data, tmp_path / "run", *extra))
+        assert code == 2
         assert len(err) == 1 and message in err[0], err
         assert not (tmp_path / "run").exists()

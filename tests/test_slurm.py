@@ -70,33 +70,34 @@ def test_ddp_training_on_two_nodes(slurm_cluster, tiny_data, tmp_path):
     assert train and train[-1]["step"] == 4 and train[-1]["loss"] > 0, records
 
 
+def assert_trains_as_one_device(slurm_cluster, script: str, flags: list[str], banner: str, vit_data, vit_reference,
+                                run) -> None:
+    """``script`` with ``flags`` as a 2-node job of the miniature ViT for 4 steps: it succeeds, prints ``banner``,
+    and its losses are the first 4 of train.py on one process."""
+    job = slurm_cluster.sbatch("submit_multinode.sh", script, *vit_args(vit_data, run, *VIT_STEPS, *flags,
+                                                                        "--max_steps", "4"),
+                               options=CPU_NODES, env=job_env(), timeout=300)
+    assert job.returncode == 0, job.report
+    assert banner in job.output, job.report
+    losses = [r["loss"] for r in read_metrics(run) if r["kind"] == "train"]
+    reference = [r["loss"] for r in read_metrics(vit_reference) if r["kind"] == "train"][:4]
+    assert losses == pytest.approx(reference, rel=1e-4)
+
+
 def test_model_parallel_job_on_two_nodes_trains_as_one_device(slurm_cluster, vit_data, vit_reference, tmp_path):
     # 2 nodes x 2 ranks, --tp 2: each tensor-parallel pair inside a node (consecutive ranks), data parallel
     # across the nodes; the first 4 losses are those of train.py on one process.
-    run = tmp_path / "run"
-    job = slurm_cluster.sbatch("submit_multinode.sh", "train_mp.py", *vit_args(vit_data, run, *VIT_STEPS, "--tp", "2",
-                                                                                "--max_steps", "4"),
-                               options=CPU_NODES, env=job_env(), timeout=300)
-    assert job.returncode == 0, job.report
-    assert "world_size=4 nodes=2 backend=gloo | mesh dp 2 x cp 1 x tp 2" in job.output, job.report
-    losses = [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
-    reference = [r["loss"] for r in read_metrics(vit_reference) if r["kind"] == "train"][:4]
-    assert losses == pytest.approx(reference, rel=1e-4)
+    assert_trains_as_one_device(slurm_cluster, "train_mp.py", ["--tp", "2"],
+                                "world_size=4 nodes=2 backend=gloo | mesh dp 2 x cp 1 x tp 2",
+                                vit_data, vit_reference, tmp_path / "run")
 
 
 def test_pipeline_job_on_two_nodes_trains_as_one_device(slurm_cluster, vit_data, vit_reference, tmp_path):
     # 2 nodes x 2 ranks, --pp 2: a 2-stage pipeline inside each node, FSDP2 across the nodes (dp 2); the
     # first 4 losses are those of train.py on one process.
-    run = tmp_path / "run"
-    job = slurm_cluster.sbatch("submit_multinode.sh", "train_pp.py", *vit_args(vit_data, run, *VIT_STEPS, "--pp", "2",
-                                                                                "--pp_microbatches", "2",
-                                                                                "--max_steps", "4"),
-                               options=CPU_NODES, env=job_env(), timeout=300)
-    assert job.returncode == 0, job.report
-    assert "world_size=4 nodes=2 backend=gloo | mesh dp 2 x pp 2" in job.output, job.report
-    losses = [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
-    reference = [r["loss"] for r in read_metrics(vit_reference) if r["kind"] == "train"][:4]
-    assert losses == pytest.approx(reference, rel=1e-4)
+    assert_trains_as_one_device(slurm_cluster, "train_pp.py", ["--pp", "2", "--pp_microbatches", "2"],
+                                "world_size=4 nodes=2 backend=gloo | mesh dp 2 x pp 2",
+                                vit_data, vit_reference, tmp_path / "run")
 
 
 def test_singlegpu_passes_arguments_through(slurm_cluster, tmp_path):

@@ -10,8 +10,6 @@ levels of 4 and 8 channels, 16³ crops of 32³ boxes) is tests/conftest.py's ``u
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 import torch
@@ -22,12 +20,12 @@ from tests.conftest import UNET_STEPS, read_metrics, resume_from, run_script, un
 from tests.test_ddp import train_losses
 from tests.test_fsdp import exported
 from tests.test_train import expect_error_in_process
-from tests.test_vit_training import assert_equals_single_device, loss_and_grads, val_records
+from tests.test_vit_training import (assert_ac_and_compile_change_nothing_and_bf16_stays_close,
+                                      assert_equals_single_device, val_records)
 from utils.checkpoint import load_checkpoint
 from utils.config import ConfigError, build_config
 from utils.data import build_loaders
 from utils.data.volume import NUM_SYMMETRIES, VolumeDataset, apply_symmetry
-from utils.parallel.techniques import apply_ac, apply_compile
 
 VOLUME_METRICS = ("l1", "mean_l1")
 CHECKPOINTS = (2, 4, 6)  # UNET_STEPS: every 2 steps, the end of the epoch (4) and the end
@@ -195,15 +193,6 @@ def test_ac_and_compile_leave_the_unet_step_unchanged_and_bf16_stays_close():
     model = build_model(cfg.model)
     generator = torch.Generator().manual_seed(1)
     x, y = (0.3 * torch.randn(2, c, 8, 8, 8, generator=generator) for c in (4, 5))
-    loss, grads = loss_and_grads(cfg, model, x, y)
-    checkpointed_loss, checkpointed_grads = loss_and_grads(cfg, apply_ac(copy.deepcopy(model), "block"), x, y)
-    assert checkpointed_loss == loss
-    torch.testing.assert_close(checkpointed_grads, grads, rtol=0, atol=0)
-    compiled_loss, compiled_grads = loss_and_grads(cfg, apply_compile(copy.deepcopy(model), True, "aot_eager"), x, y)
-    torch.testing.assert_close(compiled_loss, loss, rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(compiled_grads, grads, rtol=1e-5, atol=1e-7)
-    bf16_loss, bf16_grads = loss_and_grads(cfg, model, x, y, "bf16")
-    assert bf16_loss.item() == pytest.approx(loss.item(), rel=2e-2)
-    assert torch.nn.functional.cosine_similarity(bf16_grads, grads, dim=0) > 0.99
+    assert_ac_and_compile_change_nothing_and_bf16_stays_close(cfg, model, x, y)
     with pytest.raises(ConfigError, match="the U-Net's unit is its block"):
         build_config("unet3d_quickstart", {"ac": "layer"})

@@ -53,12 +53,12 @@ def test_single_device_run_records_forecast_metrics(vit_runs):
     assert (vit_runs["single"] / "samples" / "step_7.png").exists()
 
 
-def assert_equals_single_device(other, single, load, steps=(3, 7), metrics=FORECAST_METRICS) -> None:
+def assert_equals_single_device(other, single, load=None, steps=(3, 7), metrics=FORECAST_METRICS) -> None:
     """``other`` run ended as ``single`` did: losses, weights and Adam moments at ``steps`` (``load(step)``:
-    its checkpoint as a train.py payload), and every validation metric."""
+    its checkpoint as a train.py payload; by default its DCP checkpoint, exported), and every validation metric."""
     torch.testing.assert_close(train_losses(other), train_losses(single), rtol=1e-4, atol=1e-6)
     for step in steps:
-        payload = load(step)
+        payload = load(step) if load is not None else exported(other, step)
         reference = load_checkpoint(single / "checkpoints" / f"step_{step:08d}.pt")
         assert_same_weights(payload["model"], reference["model"])
         for mine, theirs in zip(optimizer_moments(payload), optimizer_moments(reference), strict=True):
@@ -66,6 +66,13 @@ def assert_equals_single_device(other, single, load, steps=(3, 7), metrics=FOREC
     for mine, theirs in zip(val_records(other), val_records(single), strict=True):
         for key in metrics:
             torch.testing.assert_close(mine[key], theirs[key], rtol=1e-4, atol=1e-6, msg=key)
+
+
+def assert_resumed_equals_single_device(resumed, single, step: int = 3, last: int = 7) -> None:
+    """``resumed``, a DCP run resumed at ``step`` in another layout (conftest's run_then_resume), continued as
+    ``single`` did: its losses from there on, and its weights at ``last``."""
+    torch.testing.assert_close(train_losses(resumed), train_losses(single)[step:], rtol=1e-4, atol=1e-6)
+    assert_same_weights(exported(resumed, last)["model"], weights_at(single, last))
 
 
 @pytest.mark.parametrize("layout", ["ddp", "fsdp"])
@@ -117,8 +124,9 @@ def loss_and_grads(cfg, model, x, y, amp_dtype="none"):
     return loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
-def test_ac_and_compile_leave_the_vit_step_unchanged_and_bf16_stays_close():
-    cfg, model, x, y = tiny_vit()
+def assert_ac_and_compile_change_nothing_and_bf16_stays_close(cfg, model, x, y) -> None:
+    """One step of ``model`` on (``x``, ``y``): with activation checkpointing of every block, the same loss and
+    gradients to the bit; compiled (aot_eager), to rounding; under bf16 autocast, close."""
     loss, grads = loss_and_grads(cfg, model, x, y)
     checkpointed_loss, checkpointed_grads = loss_and_grads(cfg, apply_ac(copy.deepcopy(model), "block"), x, y)
     assert checkpointed_loss == loss  # recomputing a block's forward in backward changes no bit
@@ -130,5 +138,10 @@ def test_ac_and_compile_leave_the_vit_step_unchanged_and_bf16_stays_close():
     bf16_loss, bf16_grads = loss_and_grads(cfg, model, x, y, "bf16")
     assert bf16_loss.item() == pytest.approx(loss.item(), rel=2e-2)
     assert torch.nn.functional.cosine_similarity(bf16_grads, grads, dim=0) > 0.99
+
+
+def test_ac_and_compile_leave_the_vit_step_unchanged_and_bf16_stays_close():
+    cfg, model, x, y = tiny_vit()
+    assert_ac_and_compile_change_nothing_and_bf16_stays_close(cfg, model, x, y)
     with pytest.raises(Exception, match="blocks only"):
         apply_ac(copy.deepcopy(model), "layer")
