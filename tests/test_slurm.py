@@ -7,14 +7,18 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.conftest import REPO, VIT_STEPS, read_metrics, tiny_args, vit_args
+from tests.conftest import REPO, VIT_STEPS, read_metrics, run_script, tiny_args, vit_args, weights_at
 from tests import slurm_cluster as cluster_module
 from tests.slurm_cluster import skip_or_fail, slurm_cluster  # noqa: F401  (slurm_cluster is a fixture)
 from tests.test_comm_check import assert_complete_correct_table
+from tests.test_ddp import assert_same_weights, train_losses
 
 # The emulated nodes have no GPU: ask for none, which makes submit_multinode.sh fall back to gloo on CPU.
 CPU_NODES = ["--gpus-per-node=0"]
@@ -137,3 +141,79 @@ def test_impossible_request_fails_at_submission(slurm_cluster):
     job = slurm_cluster.sbatch("submit_multinode.sh", "comm_check.py", options=[*CPU_NODES, "--nodes=3"],
                                env=job_env(), timeout=30)
     assert job.returncode != 0 and job.job_id is None, job.report
+
+
+# ------------------------------------------------------------------ long runs: the time limit and requeue
+
+LONG_RUN = ("--max_steps", "40", "--log_every", "1", "--val_every", "0", "--ckpt_every", "0", "--num_workers", "1")
+
+
+def submit_and_signal_usr1(slurm_cluster, script: str, run: Path, args: list[str], env: dict,
+                           options=()) -> tuple[str, str]:
+    """Submit ``script`` and, once the run has logged a training step, send the batch shell SIGUSR1 as
+    ``sbatch --signal=B:USR1@LEAD`` does before the time limit. A job that requeues itself is made eligible
+    at once (SLURM holds a requeued job back for about two minutes). Returns the job's final state
+    (COMPLETED, FAILED, ...) and its output, every segment's (the job scripts append)."""
+    client = slurm_cluster.client_env()
+    first = threading.Thread(target=lambda: slurm_cluster.sbatch(script, *args, options=[*CPU_NODES, *options],
+                                                                 env=env, timeout=300))
+    first.start()  # sbatch --wait returns when the first segment ends; the job is followed below
+    metrics, deadline = run / "metrics.jsonl", time.monotonic() + 300
+    while not (metrics.exists() and '"kind": "train"' in metrics.read_text()):
+        assert first.is_alive() and time.monotonic() < deadline, "the job logged no training step"
+        time.sleep(0.05)
+    job_id = subprocess.run(["squeue", "--noheader", "--format=%i"], env=client, capture_output=True, text=True,
+                            timeout=30).stdout.split()[0]
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=client, check=True, timeout=30)
+    state, output, ended = "UNKNOWN", None, None
+    while time.monotonic() < deadline:
+        show = subprocess.run(["scontrol", "show", "job", job_id], env=client, capture_output=True, text=True,
+                              timeout=30).stdout
+        fields = dict(re.findall(r"(\w+)=(\S+)", show))
+        if not fields:  # the record is gone (MinJobAge after the end)
+            break
+        state, output = fields.get("JobState", state), fields.get("StdOut", output)
+        if state == "PENDING" and fields.get("Restarts") == "1" and fields.get("Reason") == "BeginTime":
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=client, timeout=30)
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+            ended = state if ended == state else None  # a requeue passes through an end state: seen twice
+            if ended:
+                break
+            time.sleep(2.0)  # within MinJobAge (4 s): an ended job's record is still there
+            continue
+        ended = None
+        time.sleep(0.3)
+    first.join()
+    assert state != "UNKNOWN" and output, f"job {job_id} not followed to its end"
+    return state, Path(output).read_text(errors="replace")
+
+
+def test_a_job_stopped_before_its_time_limit_requeues_itself_and_ends_as_one_run(slurm_cluster, tiny_data, tmp_path):
+    # 2 nodes x 2 ranks of train_ddp.py: SIGUSR1 -> every rank checkpoints the same step and stops -> the job
+    # requeues itself -> the same job continues from that checkpoint (--resume auto, added by the job script)
+    # to the weights of an uninterrupted train.py run.
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    run_script("train.py", *tiny_args(tiny_data, reference, *LONG_RUN), in_process=True)
+    state, output = submit_and_signal_usr1(slurm_cluster, "submit_multinode.sh", run,
+                                           ["train_ddp.py", *tiny_args(tiny_data, run, *LONG_RUN)], job_env())
+    assert state == "COMPLETED", output[-6000:]
+    stop = re.search(r"stopped at step (\d+) by SIGTERM: checkpoint (\S+);", output)
+    assert stop and "SIGUSR1 received" in output, output[-6000:]
+    assert "requeued (segment 2)" in output, output[-6000:]
+    assert f"resumed from {stop.group(2)} at step {stop.group(1)}" in output, output[-6000:]
+    assert "done: 40 steps" in output, output[-6000:]
+    assert_same_weights(weights_at(run, 40), weights_at(reference, 40))
+    torch.testing.assert_close(train_losses(run), train_losses(reference), rtol=1e-4, atol=1e-5)
+
+
+def test_the_requeue_cap_ends_the_job_with_one_line(slurm_cluster, tiny_data, tmp_path):
+    # One process (submit_singlegpu.sh), MAX_REQUEUES=0: the run still checkpoints and stops, the job does not
+    # come back, and says so.
+    run = tmp_path / "run"
+    state, output = submit_and_signal_usr1(slurm_cluster, "submit_singlegpu.sh", run,
+                                           ["train.py", *tiny_args(tiny_data, run, *LONG_RUN)],
+                                           {**job_env(), "MAX_REQUEUES": "0"}, options=["--cpus-per-task=1"])
+    assert state == "FAILED", output[-6000:]
+    assert re.search(r"stopped at step \d+ by SIGTERM: checkpoint \S+step_\d+\.pt", output), output[-6000:]
+    assert re.search(r"error: job \d+ reached its time limit 1 times \(MAX_REQUEUES=0\): not requeued; submit it "
+                     r"again to continue \(the run resumes from its newest checkpoint\)", output), output[-6000:]
