@@ -114,7 +114,7 @@ def main():
     loss_sum, loss_count = torch.zeros((), device=device), 0
     window_start, window_samples = time.perf_counter(), 0
     reset_peak_memory(device)
-    stopping = StopRequest()  # SIGTERM or SIGUSR1 on any rank: checkpoint the step, then end the run
+    stopping = StopRequest(tcfg.ckpt_every_minutes)  # SIGTERM or SIGUSR1 on any rank: checkpoint, then end
     while state.step < max_steps and not stopping.signal:
         # Same seed + epoch -> same order and crops: a resumed run sees exactly the same batches.
         train_loader.sampler.set_epoch(state.epoch, start_batch=state.batch_in_epoch)
@@ -155,8 +155,8 @@ def main():
                 loss_count, window_start, window_samples = 0, time.perf_counter(), 0
             if (tcfg.val_every and state.step % tcfg.val_every == 0) or (not tcfg.val_every and end_of_epoch) or done:
                 validate()
-            stop = stopping.agreed()  # collective: every rank stops after the same step
-            if (tcfg.ckpt_every and state.step % tcfg.ckpt_every == 0) or end_of_epoch or done or stop:
+            stop, due = stopping.agreed()  # collective: all ranks stop, or checkpoint by the clock, at one step
+            if (tcfg.ckpt_every and state.step % tcfg.ckpt_every == 0) or end_of_epoch or done or stop or due:
                 check_finite(all_reduce_mean(loss_sum), state.step, ckpt_dir)  # never save a diverged step
                 save()
             if end_of_epoch or done or stop:

@@ -61,10 +61,13 @@ def test_a_signal_to_one_ddp_rank_stops_both_and_resumes_exactly(tiny_data, ddp_
 
 
 def test_fsdp_stops_and_resumes_to_the_reference_weights(tiny_data, reference_run, tmp_path):
+    # Checkpoints by the clock at every step besides: DCP's save is collective, so rank 0's clock must
+    # decide for both ranks (a disagreement would hang).
     run = tmp_path / "run"
-    args = tiny_args(tiny_data, run, *REFERENCE_STEPS)
+    args = tiny_args(tiny_data, run, *REFERENCE_STEPS, "--ckpt_every_minutes", "1e-9")
     step, checkpoint = stopped_at(stop_mid_run(["train_fsdp.py", *args], run, ranks=2, to_rank=1), "SIGTERM")
     assert checkpoint.is_dir()  # a DCP folder, complete
+    assert len(list((run / "checkpoints").glob("step_*"))) == step  # one by the clock at each step
     run_script("train_fsdp.py", *args, "--resume", "auto", ranks=2)
     assert_same_weights(exported(run, 10)["model"], weights_at(reference_run, 10))
     torch.testing.assert_close(train_losses(run), train_losses(reference_run), rtol=1e-4, atol=1e-5)
@@ -80,6 +83,14 @@ def test_every_other_script_stops_at_a_step_with_its_checkpoint(script, layout, 
         args += ["--profile", "false"]
     step, _ = stopped_at(stop_mid_run([script, *args], run, ranks=ranks, to_rank=ranks - 1), "SIGTERM")
     assert [r["step"] for r in read_metrics(run) if r["kind"] == "train"][-1] == step
+
+
+def test_checkpoints_by_the_clock_change_nothing_else(tiny_data, reference_run, tmp_path):
+    run = tmp_path / "run"
+    run_script("train.py", *tiny_args(tiny_data, run, *REFERENCE_STEPS, "--ckpt_every_minutes", "1e-9"),
+               in_process=True)
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*.pt")) == [f"step_{s:08d}.pt" for s in range(1, 11)]
+    assert_identical(weights_at(run, 10), weights_at(reference_run, 10))
 
 
 # ------------------------------------------------------------------ resumes a restarted job meets

@@ -189,6 +189,9 @@ class TrainConfig:
     """Steps between validations; 0 = at the end of each epoch."""
     ckpt_every: int = 0
     """Steps between checkpoints; 0 = at the end of each epoch (and always at the end)."""
+    ckpt_every_minutes: float = 0.0
+    """Also checkpoint once this many minutes of wall time have passed since the last time-based one (0: off):
+    a step count does not know the clock. Rank 0's clock decides, for every rank at the same step."""
     keep_checkpoints: int = 2
     """Most recent checkpoints kept on disk."""
     run_dir: str = "runs/default"
@@ -437,7 +440,7 @@ def validate(cfg: Config) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key} must be > 0, got {value}")
-    for key in ("max_steps", "epochs", "log_every", "val_every", "ckpt_every", "num_workers", "train_samples", "val_samples", "val_batch_size", "crop_size"):
+    for key in ("max_steps", "epochs", "log_every", "val_every", "ckpt_every", "ckpt_every_minutes", "num_workers", "train_samples", "val_samples", "val_batch_size", "crop_size"):
         value = {**dataclasses.asdict(d), **dataclasses.asdict(t)}[key]
         if value < 0:
             raise ConfigError(f"{key} must be >= 0, got {value}")

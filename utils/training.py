@@ -189,14 +189,16 @@ class StopRequest:
     before the job's limit) ends the run at the next step boundary, on every rank after the same step.
 
     The handler only notes the signal. :meth:`agreed` (every step, on every rank) shares it: one max
-    all-reduce of one number over a gloo group on the CPU (over a CUDA job's NCCL group it would cost a
+    all-reduce of two numbers (the signal, and whether ``ckpt_every_minutes`` have passed on rank 0's clock)
+    over a gloo group on the CPU (over a CUDA job's NCCL group it would cost a
     host sync each step), so a signal that reached one rank stops them all together and none is left
     waiting in a collective. Build it on every rank at the same point (it creates a process group).
     """
 
-    def __init__(self):
+    def __init__(self, ckpt_every_minutes: float = 0.0):
         self.signal: Optional[str] = None  # the agreed signal's name, once a rank got one
         self._received = 0
+        self._interval_s, self._last_due = 60.0 * ckpt_every_minutes, time.monotonic()
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._note)
         distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
@@ -205,16 +207,20 @@ class StopRequest:
     def _note(self, signum, _frame) -> None:
         self._received = self._received or signum
 
-    def agreed(self) -> bool:
-        """Whether any rank has been asked to stop (collective)."""
+    def agreed(self) -> tuple[bool, bool]:
+        """(whether any rank has been asked to stop, whether a time-based checkpoint is due); collective."""
+        due = bool(self._interval_s) and time.monotonic() - self._last_due >= self._interval_s
+        due = due and (self._group is None or torch.distributed.get_rank() == 0)  # rank 0's clock decides
         received = self._received
         if self._group is not None:
-            flag = torch.tensor([received], dtype=torch.int64)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._group)
-            received = int(flag)
+            flags = torch.tensor([received, int(due)], dtype=torch.int64)
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self._group)
+            received, due = int(flags[0]), bool(flags[1])
+        if due:
+            self._last_due = time.monotonic()
         if received:
             self.signal = signal.Signals(received).name
-        return bool(received)
+        return bool(received), due
 
     @property
     def exit_code(self) -> int:
