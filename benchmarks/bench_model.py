@@ -39,8 +39,9 @@ from torch.utils.flop_counter import FlopCounterMode
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from models import build_model, count_parameters  # noqa: E402
 from utils.config import ConfigError, build_config  # noqa: E402
+from utils.precision import DTYPES as ALL_DTYPES  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {name: ALL_DTYPES[name] for name in ("fp32", "bf16")}  # the precisions these benchmarks time
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,7 +1,8 @@
 """The house's walls (docs/architecture.md): what `make test` and these tests hold the code to.
 
-- The import contracts of .importlinter (models/ import nothing from utils/; utils/ in layers) hold, and a
-  new import that breaks them fails `lint-imports` with a line that names it.
+- The import contracts of .importlinter (models/ import nothing from utils/; utils/ in layers; no circle
+  among the modules of a package) hold, and a new import that breaks one fails `lint-imports` with a line
+  that names it.
 - Imports stand at module top: an import inside a function is allowed only for an optional or heavy
   dependency, with a comment that says why.
 - No file in utils/ is longer than a reader takes in at one sitting.
@@ -26,18 +27,27 @@ def lint_imports(root: Path) -> subprocess.CompletedProcess:
                           env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
 
 
-def test_the_import_contracts_hold_and_a_new_upward_import_is_named(tmp_path):
-    kept = lint_imports(REPO)
-    assert kept.returncode == 0, kept.stdout + kept.stderr
-    assert "2 kept, 0 broken" in kept.stdout
+def with_import(tmp_path: Path, module: str, imported: str) -> Path:
+    """A copy of utils/, models/ and the contracts in which ``module`` (a path under utils/) also imports ``imported``."""
+    root = tmp_path / module.replace("/", "_")
     for part in ("utils", "models", ".importlinter"):
         copy = shutil.copytree if (REPO / part).is_dir() else shutil.copy
-        copy(REPO / part, tmp_path / part)
-    config = tmp_path / "utils" / "config.py"  # the lowest layer reaching up to the training helpers
-    config.write_text(config.read_text() + "\nimport utils.training  # noqa: E402\n")
-    broken = lint_imports(tmp_path)
-    assert broken.returncode != 0
-    assert "utils.config -> utils.training" in broken.stdout and "1 broken" in broken.stdout
+        copy(REPO / part, root / part)
+    path = root / "utils" / module
+    path.write_text(path.read_text() + f"\nimport {imported}  # noqa: E402\n")
+    return root
+
+
+def test_the_import_contracts_hold_and_a_broken_one_names_the_import(tmp_path):
+    kept = lint_imports(REPO)
+    assert kept.returncode == 0, kept.stdout + kept.stderr
+    assert "3 kept, 0 broken" in kept.stdout
+    upward = lint_imports(with_import(tmp_path, "config.py", "utils.training"))  # the ground floor reaching up
+    assert upward.returncode != 0
+    assert "utils.config -> utils.training" in upward.stdout  # (and, as training imports config, a circle)
+    circle = lint_imports(with_import(tmp_path, "data/common.py", "utils.data.era5"))  # a circle inside a room
+    assert circle.returncode != 0
+    assert "No cycles are allowed in utils.data" in circle.stdout and ".era5 -> .common" in circle.stdout
 
 
 def python_files(*folders: str) -> list[Path]:
