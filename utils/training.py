@@ -189,10 +189,10 @@ class StopRequest:
     before the job's limit) ends the run at the next step boundary, on every rank after the same step.
 
     The handler only notes the signal. :meth:`agreed` (every step, on every rank) shares it: one max
-    all-reduce of two numbers (the signal, and whether ``ckpt_every_minutes`` have passed on rank 0's clock)
-    over a gloo group on the CPU (over a CUDA job's NCCL group it would cost a
-    host sync each step), so a signal that reached one rank stops them all together and none is left
-    waiting in a collective. Build it on every rank at the same point (it creates a process group).
+    all-reduce of two numbers (the signal, and whether ``ckpt_every_minutes`` have passed on rank 0's
+    clock) over a gloo group on the CPU (over a CUDA job's NCCL group it would cost a host sync each
+    step), so a signal that reached one rank stops them all together and none is left waiting in a
+    collective. Build it on every rank at the same point (it creates a process group).
     """
 
     def __init__(self, ckpt_every_minutes: float = 0.0):

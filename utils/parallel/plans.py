@@ -58,6 +58,8 @@ class TensorParallelPlan:
 
 @dataclass(frozen=True)
 class ModelPlan:
+    """One model's row (the module docstring says what each field means); None: the technique refuses it."""
+
     units: dict[str, Callable[[nn.Module], list[nn.Module]]] = field(default_factory=dict)
     tp: Optional[TensorParallelPlan] = None
     cp: Optional[str] = None
