@@ -44,6 +44,12 @@ RDZV_PORT=${RDZV_PORT:-$((29500 + ${SLURM_JOB_ID:-0} % 1000))}
 LAUNCHER=${LAUNCHER:-torchrun}
 # How often a job may requeue itself after a stop before its time limit (SLURM_RESTART_COUNT counts them).
 MAX_REQUEUES=${MAX_REQUEUES:-10}
+# How often torchrun restarts the workers after one of them died (a crash, an OOM kill, a lost node); they
+# continue from the newest checkpoint. Bad input, a diverged loss or a full disk are not retried.
+MAX_RESTARTS=${MAX_RESTARTS:-3}
+# Restarted workers must not read the previous attempt's addresses from torchrun's own store, which they
+# share by default and which then fails their connections now and then (PyTorch issue 135712).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 
 case "$SITE" in
   kestrel)
@@ -196,7 +202,7 @@ srun --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task="$SLURM
   --rdzv-backend=c10d \
   --rdzv-endpoint="$rdzv_host:$RDZV_PORT" \
   --rdzv-id="$SLURM_JOB_ID" \
-  --max-restarts=0 \
+  --max-restarts="$MAX_RESTARTS" \
   "$@" &
 run_pid=$!
 wait_for_run

@@ -1,23 +1,29 @@
-"""A stop request becomes a checkpoint: SIGTERM (scancel, preemption) or SIGUSR1 (sbatch --signal, before
-the time limit), sent to one process of a run, stops every rank after the same step; the run writes that
+"""Runs that survive the end of a job. A stop request becomes a checkpoint: SIGTERM (scancel, preemption)
+or SIGUSR1 (sbatch --signal, before the time limit), sent to one process of a run, stops every rank after the same step; the run writes that
 step's checkpoint and exits 75 with one line, and `--resume auto` continues it to the weights of an
 uninterrupted run: bit-identical for train.py and train_ddp.py, within the fp32 tolerance of the
 equivalence tests for the sharded train_fsdp.py. train_with_profiling.py, train_mp.py and train_pp.py
-stop the same way (exit code, line, the checkpoint of that step).
+stop the same way (exit code, line, the checkpoint of that step). A rank killed under
+`torchrun --max-restarts` is restarted with the others and the run ends with the uninterrupted weights;
+bad input is not retried.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import (REFERENCE_STEPS, read_metrics, resume_from, run_script, stop_mid_run, tiny_args,
+from tests.conftest import (REFERENCE_STEPS, REPO, read_metrics, resume_from, run_script, stop_mid_run, tiny_args,
                             vit_args, weights_at)
-from tests.test_ddp import assert_same_weights, train_losses
+from tests.test_ddp import assert_same_weights, rank_pid, train_losses
 from tests.test_fsdp import exported
 from tests.test_train import check_error
 from utils.training import EXIT_STOPPED
@@ -128,3 +134,47 @@ def test_resume_auto_starts_fresh_in_an_empty_folder_and_refuses_another_runs_fo
     check_error(proc.returncode, proc.stderr, 2, "already holds another run")
     proc = run_script("train.py", *tiny_args(tiny_data, run, "--resume", "maybe"), in_process=True, check=False)
     check_error(proc.returncode, proc.stderr, 2, "resume: expected true, false or auto, got 'maybe'")
+
+
+# ------------------------------------------------------------------ a lost rank: torchrun restarts the workers
+
+
+RESTARTABLE = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # as the job script
+
+
+def torchrun(*args: str, max_restarts: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            f"--max-restarts={max_restarts}", *args]
+
+
+def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_nothing_happened(tiny_data, ddp_reference_run, tmp_path):
+    # SIGKILL (an OOM kill, a crash) of rank 1 at step 3 or soon after: torchrun restarts both workers, which
+    # continue from the newest checkpoint (--resume auto, as the job script adds it) to the uninterrupted weights.
+    run = tmp_path / "run"
+    args = tiny_args(tiny_data, run, *REFERENCE_STEPS, "--ckpt_every", "1", "--keep_checkpoints", "20",
+                     "--resume", "auto")
+    job = subprocess.Popen(torchrun("train_ddp.py", *args, max_restarts=1), cwd=REPO, text=True, env=RESTARTABLE,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "checkpoints" / "step_00000003.pt").exists():
+            assert job.poll() is None and time.monotonic() < deadline, "the run ended before the kill"
+            time.sleep(0.002)
+        os.kill(rank_pid(job.pid, rank=1), signal.SIGKILL)
+        output, _ = job.communicate(timeout=240)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, output[-4000:]
+    resumed = re.findall(r"resumed from \S+step_(\d+)\.pt at step (\d+)", output)
+    assert len(resumed) == 1 and 3 <= int(resumed[0][1]) < 10, output[-4000:]
+    assert_identical(weights_at(run, 10), weights_at(ddp_reference_run, 10))
+
+
+def test_bad_input_is_not_retried(tiny_data, tmp_path):
+    # A batch the ranks cannot share: exit 2 on the first attempt, and torchrun is asked to stop, not to restart.
+    proc = subprocess.run(torchrun("train_ddp.py", *tiny_args(tiny_data, tmp_path / "run", "--batch_size", "3"),
+                                   max_restarts=3),
+                          cwd=REPO, capture_output=True, text=True, timeout=180, env=RESTARTABLE)
+    assert proc.returncode != 0
+    assert (proc.stdout + proc.stderr).count("error: batch_size 3 is the global batch") == 1, proc.stderr[-4000:]

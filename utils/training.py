@@ -201,8 +201,10 @@ class StopRequest:
         self._interval_s, self._last_due = 60.0 * ckpt_every_minutes, time.monotonic()
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._note)
-        distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-        self._group = torch.distributed.new_group(backend="gloo") if distributed else None
+        self._group = None
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            gloo = torch.distributed.get_backend() == "gloo"  # the CPU's own group serves; NCCL's needs a gloo twin
+            self._group = torch.distributed.group.WORLD if gloo else torch.distributed.new_group(backend="gloo")
 
     def _note(self, signum, _frame) -> None:
         self._received = self._received or signum
@@ -254,7 +256,8 @@ def show_progress(mode: str) -> bool:
 
 EXIT_CODES = {StorageError: 4, ConfigError: 2, DataError: 2, CheckpointError: 2, NonFiniteLossError: 3}
 """Exit code of each expected failure, first match wins (StorageError is a CheckpointError): 2 bad input
-(config, data, checkpoint, run directory), 3 the loss diverged, 4 a write failed (disk full, quota, I/O error)."""
+(config, data, checkpoint, run directory), 3 the loss diverged, 4 a write failed (disk full, quota, I/O error).
+None of them is worth a restart (torchrun --max-restarts): a crash, an OOM kill or a lost node is."""
 EXIT_STOPPED = 75
 """Exit code of a run that stopped on request (SIGTERM, SIGUSR1) after checkpointing the step it was on:
 BSD's EX_TEMPFAIL, "try again later". The job scripts requeue on it; --resume (or --resume auto) continues."""
@@ -292,6 +295,11 @@ def run_cli(main: Callable[[], Optional[int]]) -> None:
         if code is None:
             raise  # a bug: its traceback
         print(f"{f'[rank {env.rank}] ' if env.rank else ''}error: {error}", file=sys.stderr, flush=True)
+        if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0:
+            # torchrun would restart the workers, which would fail the same way (bad input, a diverged
+            # loss, a full disk): ask it to stop instead. It ends its workers and exits non-zero, and srun
+            # (--kill-on-bad-exit) then ends the other nodes'.
+            os.kill(os.getppid(), signal.SIGTERM)
         exit_process(code)
     exit_process(code or 0)
 
