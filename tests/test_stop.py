@@ -1,11 +1,12 @@
-"""Runs that survive the end of a job. A stop request becomes a checkpoint: SIGTERM (scancel, preemption)
-or SIGUSR1 (sbatch --signal, before the time limit), sent to one process of a run, stops every rank after the same step; the run writes that
-step's checkpoint and exits 75 with one line, and `--resume auto` continues it to the weights of an
-uninterrupted run: bit-identical for train.py and train_ddp.py, within the fp32 tolerance of the
-equivalence tests for the sharded train_fsdp.py. train_with_profiling.py, train_mp.py and train_pp.py
-stop the same way (exit code, line, the checkpoint of that step). A rank killed under
-`torchrun --max-restarts` is restarted with the others and the run ends with the uninterrupted weights;
-bad input is not retried.
+"""Runs that survive the end of a job.
+
+A stop request becomes a checkpoint: SIGTERM (scancel, preemption) or SIGUSR1 (sbatch --signal, before the
+time limit), sent to one process of a run, stops every rank after the same step; the run writes that step's
+checkpoint and exits 75 with one line, and `--resume auto` continues it to the weights of an uninterrupted
+run: bit-identical for train.py and train_ddp.py, within the fp32 tolerance of the equivalence tests for the
+sharded train_fsdp.py. train_with_profiling.py, train_mp.py and train_pp.py stop the same way (exit code,
+line, the checkpoint of that step). A rank killed under `torchrun --max-restarts` is restarted with the
+others and the run ends with the uninterrupted weights; bad input is not retried.
 """
 
 from __future__ import annotations
