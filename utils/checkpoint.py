@@ -226,10 +226,13 @@ def prepare_run_dir(run_dir, resume: bool) -> Path:
     rank that stopped.
     """
     run_dir = Path(run_dir)
+    # torchrun restarts the workers of a job with the same arguments: an attempt after one that died before
+    # its first checkpoint finds its own outputs here, and starts over.
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
     verdict: Optional[Exception] = None
     if _rank() == 0:
         try:
-            if not resume:
+            if not resume and not restarted:
                 _refuse_another_run(run_dir)
             ensure_writable_dir(run_dir)
         except CheckpointError as error:  # StorageError included
