@@ -175,6 +175,14 @@ fi
 if [[ $NPROC_PER_NODE == auto ]]; then
   if ((gpus_per_node > 0)); then NPROC_PER_NODE=$gpus_per_node; else NPROC_PER_NODE=$CPU_NPROC_PER_NODE; fi
 fi
+if ((gpus_per_node > 0)); then
+  # NCCL's flight recorder: the last collectives of every rank, dumped when one times out (a hang), one file
+  # per rank in nccl_trace_<job id>/; read them with `torchfrtrace nccl_trace_<job id> -p rank_`.
+  export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-20000}
+  export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+  export TORCH_FR_DUMP_TEMP_FILE=${TORCH_FR_DUMP_TEMP_FILE:-$SLURM_SUBMIT_DIR/nccl_trace_$SLURM_JOB_ID/rank_}
+  mkdir -p "$(dirname "$TORCH_FR_DUMP_TEMP_FILE")"
+fi
 if ((gpus_per_node == 0)); then
   # CPU processes share the node's cores; torchrun would otherwise give each a single thread.
   threads=$((SLURM_CPUS_ON_NODE / NPROC_PER_NODE))

@@ -30,9 +30,10 @@ from utils.parallel.fsdp import (apply_fsdp, load_sharded_checkpoint, memory_rec
                                  sharded_payload)
 from utils.parallel.techniques import apply_ac, apply_compile
 from utils.precision import autocast, make_grad_scaler
+from utils.stopping import StopRequest
 from utils.tasks import build_task
-from utils.training import (StopRequest, build_loss, build_optimizer, check_finite, configure_backends, run_cli,
-                            seed_everything, seed_step, show_progress, total_steps)
+from utils.training import (build_loss, build_optimizer, check_finite, configure_backends, run_cli, seed_everything,
+                            seed_step, show_progress, total_steps)
 
 
 def main():
@@ -96,7 +97,7 @@ def main():
     loss_sum, loss_count = torch.zeros((), device=device), 0
     window_start, window_samples = time.perf_counter(), 0
     reset_peak_memory(device)
-    stopping = StopRequest(tcfg.ckpt_every_minutes)  # SIGTERM or SIGUSR1 on any rank: checkpoint, then end
+    stopping = StopRequest(cfg)  # SIGTERM or SIGUSR1 on any rank: checkpoint the step, then end the run
     while state.step < max_steps and not stopping.signal:
         # Same seed + epoch -> same order and crops: a resumed run sees exactly the same batches.
         train_loader.sampler.set_epoch(state.epoch, start_batch=state.batch_in_epoch)

@@ -258,7 +258,9 @@ def stop_mid_run(script_args: list[str], run_dir: Path, ranks: int = 1, signum: 
     """Start ``python SCRIPT ARGS`` (as ``ranks`` ranks, as run_script does), and once run_dir's metrics.jsonl
     records a training step, send ``signum`` to rank ``to_rank`` alone, as scancel or sbatch --signal would.
     The ranks are paused (SIGSTOP) around the signal, so it lands in the middle of a later step, whatever
-    the machine's speed. Returns the ranks' exit codes (``returncode``: the list) and their output."""
+    the machine's speed; SIGSTOP leaves that rank stopped (a rank that no longer answers), and it is killed
+    once the others have ended. Returns the exit codes of the ranks that ran on (``returncode``: a list), their
+    output, and ``ended_after``: seconds from the signal to their end."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     if ranks > 1:
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(ranks),
@@ -277,9 +279,12 @@ def stop_mid_run(script_args: list[str], run_dir: Path, ranks: int = 1, signum: 
             for p in procs:
                 p.send_signal(signal.SIGSTOP)
             procs[to_rank].send_signal(signum)
-            for p in procs:
+            running = [p for p in procs if not (signum == signal.SIGSTOP and p is procs[to_rank])]
+            for p in running:
                 p.send_signal(signal.SIGCONT)
-            codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+            sent = time.monotonic()
+            codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in running]
+            ended_after = time.monotonic() - sent
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -289,7 +294,9 @@ def stop_mid_run(script_args: list[str], run_dir: Path, ranks: int = 1, signum: 
             out.seek(0)
             texts.append(out.read())
             out.close()
-    return subprocess.CompletedProcess(script_args, codes, "".join(texts), "")
+    proc = subprocess.CompletedProcess(script_args, codes, "".join(texts), "")
+    proc.ended_after = ended_after
+    return proc
 
 
 def _free_port() -> int:

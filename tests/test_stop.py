@@ -27,7 +27,7 @@ from tests.conftest import (REFERENCE_STEPS, REPO, read_metrics, resume_from, ru
 from tests.test_ddp import assert_same_weights, rank_pid, train_losses
 from tests.test_fsdp import exported
 from tests.test_train import check_error
-from utils.training import EXIT_STOPPED
+from utils.stopping import EXIT_STOPPED
 
 STOPPED = re.compile(r"stopped at step (\d+) by (SIGTERM|SIGUSR1): checkpoint (\S+); continue with the same "
                      r"command and --resume auto \(exit code 75\)")
@@ -179,3 +179,24 @@ def test_bad_input_is_not_retried(tiny_data, tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=180, env=RESTARTABLE)
     assert proc.returncode != 0
     assert (proc.stdout + proc.stderr).count("error: batch_size 3 is the global batch") == 1, proc.stderr[-4000:]
+
+
+# ------------------------------------------------------------------ a rank that stops answering
+
+
+def test_a_rank_that_stops_answering_ends_the_others_with_one_line_and_stacks(tiny_data, tmp_path):
+    # Rank 1 frozen (SIGSTOP) mid-run: rank 0 waits in a collective until dist_timeout_s, writes its stack at
+    # the deadline and ends with one line naming the collective and the rank that did not arrive.
+    run = tmp_path / "run"
+    args = tiny_args(tiny_data, run, "--max_steps", "1000", "--log_every", "1", "--val_every", "0",
+                     "--dist_timeout_s", "5")
+    proc = stop_mid_run(["train_ddp.py", *args], run, ranks=2, signum=signal.SIGSTOP, to_rank=1)
+    assert proc.returncode == [1], proc.stdout[-3000:]
+    assert proc.ended_after < 5 + 15, proc.ended_after  # the timeout, 2 s for the others to report, start-up slack
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[rank 0] error:")]
+    assert len(lines) == 1 and "Traceback" not in proc.stdout, proc.stdout[-3000:]
+    assert re.fullmatch(r"\[rank 0\] error: .+ \((train_ddp|utils/\S+)\.py:\d+: .+\) timed out after 5 s: rank 1 "
+                        r"did not arrive; each rank's Python stack at the deadline is in <run_dir>/stacks/",
+                        lines[0]), lines[0]
+    stack = (run / "stacks" / "rank0.txt").read_text()
+    assert "Thread" in stack and "train_ddp.py" in stack, stack

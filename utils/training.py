@@ -6,6 +6,7 @@ The training step itself is written out in each script; only the objects it uses
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import math
 import multiprocessing
@@ -23,10 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from utils.checkpoint import (CheckpointError, StorageError, TrainState, capture_rng_state, check_model_settings,
-                              newest_complete_checkpoint, restore_rng_state, strip_wrapper_prefixes)
+                              restore_rng_state, strip_wrapper_prefixes)
 from utils.config import Config, ConfigError, lr_scale
 from utils.data.common import STEP_STREAM, DataError, stable_hash
 from utils.parallel.distributed import DistEnv, device_for, joined_job, read_dist_env
+from utils.stopping import describe_timeout
 
 
 class NonFiniteLossError(RuntimeError):
@@ -184,59 +186,6 @@ def restore_payload(payload: dict, model, optimizer, scheduler, scaler, cfg: Opt
 # ----------------------------------------------------------------------------- loop helpers
 
 
-class StopRequest:
-    """SIGTERM (scancel, preemption, a node shutting down) or SIGUSR1 (``sbatch --signal``, sent a chosen time
-    before the job's limit) ends the run at the next step boundary, on every rank after the same step.
-
-    The handler only notes the signal. :meth:`agreed` (every step, on every rank) shares it: one max
-    all-reduce of two numbers (the signal, and whether ``ckpt_every_minutes`` have passed on rank 0's
-    clock) over a gloo group on the CPU (over a CUDA job's NCCL group it would cost a host sync each
-    step), so a signal that reached one rank stops them all together and none is left waiting in a
-    collective. Build it on every rank at the same point (it creates a process group).
-    """
-
-    def __init__(self, ckpt_every_minutes: float = 0.0):
-        self.signal: Optional[str] = None  # the agreed signal's name, once a rank got one
-        self._received = 0
-        self._interval_s, self._last_due = 60.0 * ckpt_every_minutes, time.monotonic()
-        for signum in STOP_SIGNALS:
-            signal.signal(signum, self._note)
-        self._group = None
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            gloo = torch.distributed.get_backend() == "gloo"  # the CPU's own group serves; NCCL's needs a gloo twin
-            self._group = torch.distributed.group.WORLD if gloo else torch.distributed.new_group(backend="gloo")
-
-    def _note(self, signum, _frame) -> None:
-        self._received = self._received or signum
-
-    def agreed(self) -> tuple[bool, bool]:
-        """(whether any rank has been asked to stop, whether a time-based checkpoint is due); collective."""
-        due = bool(self._interval_s) and time.monotonic() - self._last_due >= self._interval_s
-        due = due and (self._group is None or torch.distributed.get_rank() == 0)  # rank 0's clock decides
-        received = self._received
-        if self._group is not None:
-            flags = torch.tensor([received, int(due)], dtype=torch.int64)
-            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self._group)
-            received, due = int(flags[0]), bool(flags[1])
-        if due:
-            self._last_due = time.monotonic()
-        if received:
-            self.signal = signal.Signals(received).name
-        return bool(received), due
-
-    @property
-    def exit_code(self) -> int:
-        return EXIT_STOPPED if self.signal else 0
-
-    def summary(self, step: int, run_dir) -> str:
-        """The run's last line: done, or stopped (by which signal, the checkpoint, how to continue)."""
-        if not self.signal:
-            return f"done: {step} steps; outputs in {run_dir}"
-        checkpoint = newest_complete_checkpoint(f"{run_dir}/checkpoints")
-        return (f"stopped at step {step} by {self.signal}: checkpoint {checkpoint}; continue with the same "
-                f"command and --resume auto (exit code {EXIT_STOPPED})")
-
-
 def check_finite(loss_total: torch.Tensor, step: int, ckpt_dir) -> float:
     """The loss as a float, or stop with NonFiniteLossError (the last good checkpoint stays the latest)."""
     value = loss_total.item()
@@ -258,10 +207,6 @@ EXIT_CODES = {StorageError: 4, ConfigError: 2, DataError: 2, CheckpointError: 2,
 """Exit code of each expected failure, first match wins (StorageError is a CheckpointError): 2 bad input
 (config, data, checkpoint, run directory), 3 the loss diverged, 4 a write failed (disk full, quota, I/O error).
 None of them is worth a restart (torchrun --max-restarts): a crash, an OOM kill or a lost node is."""
-EXIT_STOPPED = 75
-"""Exit code of a run that stopped on request (SIGTERM, SIGUSR1) after checkpointing the step it was on:
-BSD's EX_TEMPFAIL, "try again later". The job scripts requeue on it; --resume (or --resume auto) continues."""
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 RANK_ERROR_GRACE_S = 10.0
 """How long a rank other than 0 keeps its error to itself, waiting for the launcher to stop it."""
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer")
@@ -284,6 +229,7 @@ def run_cli(main: Callable[[], Optional[int]]) -> None:
     try:
         code = main()
     except Exception as error:
+        faulthandler.cancel_dump_traceback_later()  # the step watchdog (utils.stopping): this process lives on
         env = read_dist_env()
         lost_a_peer = isinstance(error, getattr(torch.distributed, "DistNetworkError", ())) or any(
             words in str(error) for words in PEER_LOST)
@@ -291,6 +237,10 @@ def run_cli(main: Callable[[], Optional[int]]) -> None:
             sys.stdout.flush()
             signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # stopped as asked: the failing rank reports
             time.sleep(RANK_ERROR_GRACE_S)
+        timeout = describe_timeout(error)
+        if timeout:  # a rank stopped answering: a failure worth a restart (exit 1), in one line per rank
+            print(f"[rank {env.rank}] error: {timeout}", file=sys.stderr, flush=True)
+            exit_process(1)
         code = next((value for kind, value in EXIT_CODES.items() if isinstance(error, kind)), None)
         if code is None:
             raise  # a bug: its traceback
