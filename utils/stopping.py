@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import re
@@ -93,7 +94,7 @@ class StopRequest:
         self._stack_file.close()
         if self._stacks.stat().st_size == 0:
             self._stacks.unlink()
-            if not any(self._stacks.parent.iterdir()):
+            with contextlib.suppress(OSError):  # other ranks' files are still there, or another rank removed it
                 self._stacks.parent.rmdir()
         if not self.signal:
             return f"done: {step} steps; outputs in {run_dir}"
