@@ -52,7 +52,7 @@ class StopRequest:
         self._received = 0
         self._interval_s, self._last_due = 60.0 * cfg.train.ckpt_every_minutes, time.monotonic()
         for signum in STOP_SIGNALS:
-            signal.signal(signum, self._note)
+            _previous_handlers.setdefault(signum, signal.signal(signum, self._note))
         self._group = None
         if dist.is_initialized() and dist.get_world_size() > 1:
             gloo = dist.get_backend() == "gloo"  # the CPU's own group serves; NCCL's needs a gloo twin
@@ -90,7 +90,7 @@ class StopRequest:
     def summary(self, step: int, run_dir) -> str:
         """The run's last line (done, or stopped: by which signal, the checkpoint, how to continue); disarms the
         watchdog and removes this rank's stack file if nothing was written to it."""
-        faulthandler.cancel_dump_traceback_later()
+        stop_watching()
         self._stack_file.close()
         if self._stacks.stat().st_size == 0:
             self._stacks.unlink()
@@ -101,6 +101,18 @@ class StopRequest:
         checkpoint = newest_complete_checkpoint(f"{run_dir}/checkpoints")
         return (f"stopped at step {step} by {self.signal}: checkpoint {checkpoint}; continue with the same "
                 f"command and --resume auto (exit code {EXIT_STOPPED})")
+
+
+_previous_handlers: dict = {}  # the signal handlers a StopRequest replaced, restored by stop_watching()
+
+
+def stop_watching() -> None:
+    """Hand SIGTERM and SIGUSR1 back to their previous handlers and disarm the step watchdog: the run is over
+    (utils.training.run_cli calls it when a run fails, for a process that lives on, as a test's does)."""
+    faulthandler.cancel_dump_traceback_later()
+    for signum, handler in _previous_handlers.items():
+        signal.signal(signum, handler)
+    _previous_handlers.clear()
 
 
 def describe_timeout(error: BaseException, grace_s: float = 2.0) -> Optional[str]:

@@ -6,7 +6,6 @@ The training step itself is written out in each script; only the objects it uses
 
 from __future__ import annotations
 
-import faulthandler
 import functools
 import math
 import multiprocessing
@@ -28,7 +27,7 @@ from utils.checkpoint import (CheckpointError, StorageError, TrainState, capture
 from utils.config import Config, ConfigError, lr_scale
 from utils.data.common import STEP_STREAM, DataError, stable_hash
 from utils.parallel.distributed import DistEnv, device_for, joined_job, read_dist_env
-from utils.stopping import describe_timeout
+from utils.stopping import describe_timeout, stop_watching
 
 
 class NonFiniteLossError(RuntimeError):
@@ -229,7 +228,7 @@ def run_cli(main: Callable[[], Optional[int]]) -> None:
     try:
         code = main()
     except Exception as error:
-        faulthandler.cancel_dump_traceback_later()  # the step watchdog (utils.stopping): this process lives on
+        stop_watching()  # SIGTERM back to its default: the failing-rank logic below relies on it
         env = read_dist_env()
         lost_a_peer = isinstance(error, getattr(torch.distributed, "DistNetworkError", ())) or any(
             words in str(error) for words in PEER_LOST)
