@@ -39,8 +39,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from utils.checkpoint import (DCP_METADATA, TEMP_PREFIX, CheckpointError, StorageError, TrainState, capture_rng_state,
-                              check_model_settings, checkpoints_by_step, ensure_writable_dir, fsync_dir,
-                              replaced_atomically, restore_rng_state, write_failure)
+                              check_model_settings, checkpoint_to_resume, checkpoints_by_step, ensure_writable_dir,
+                              fsync_dir, replaced_atomically, restore_rng_state, write_failure)
 from utils.config import ConfigError
 from utils.parallel.distributed import barrier, ensure_process_group
 from utils.parallel.plans import ac_units
@@ -209,13 +209,7 @@ def _is_main() -> bool:
 
 def latest_sharded_checkpoint(ckpt_dir) -> Optional[Path]:
     """The complete DCP checkpoint with the highest step, or None; single-file checkpoints are an error."""
-    ckpt_dir = Path(ckpt_dir)
-    found = checkpoints_by_step(ckpt_dir, sharded=True)
-    if not found and ckpt_dir.is_dir() and any(ckpt_dir.glob("step_*.pt")):
-        raise CheckpointError(f"{ckpt_dir} holds single-file checkpoints (train.py / train_ddp.py), which "
-                              "train_fsdp.py does not resume: resume with the script that wrote them, or "
-                              "choose another --run_dir")
-    return found[-1][1] if found else None
+    return checkpoint_to_resume(ckpt_dir, "auto", sharded=True)
 
 
 def save_sharded_checkpoint(ckpt_dir, step: int, payload: dict, keep: int = 2) -> Path:
