@@ -2,11 +2,13 @@
 
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 
-from utils.config import KEYS, SECTIONS, ConfigError, build_config, field_docs, load_named_configs, parse_config
-from tests.conftest import REPO
+from utils.config import (APPLIED_BY, CHECKED_SCRIPTS, KEYS, SECTIONS, ConfigError, build_config, field_docs,
+                          load_named_configs, parse_config)
+from tests.conftest import REPO, exit_in_one_process
 
 NAMED = ["baseline", "quickstart", "full_size", "synthetic_large"]
 
@@ -80,3 +82,55 @@ def test_script_defaults_sit_below_the_named_config_and_the_command_line():
     assert build_config("quickstart", {"profile": False}, script_defaults={"profile": True}).profile.profile is False
     assert parse_config("", ["--config", "quickstart"], script_defaults={"profile": True}).profile.profile is True
     assert parse_config("", ["--profile", "false"], script_defaults={"profile": True}).profile.profile is False
+
+
+@pytest.mark.parametrize("script, args, owner", [
+    ("train.py", ["--config", "vit_quickstart", "--tp", "2"], "--tp 2 is applied by train_mp.py only; train.py would"),
+    ("train_ddp.py", ["--cp", "2"], "--cp 2 is applied by train_mp.py and estimate_memory.py only; train_ddp.py"),
+    ("train_pp.py", ["--pp", "2", "--tp", "2"], "--tp 2 is applied by train_mp.py only; train_pp.py would"),
+    ("train_fsdp.py", ["--bucket_cap_mb", "50"], "--bucket_cap_mb 50.0 is applied by train_ddp.py only"),
+    ("train_mp.py", ["--hsdp_replicas", "2"], "--hsdp_replicas 2 is applied by train_fsdp.py and estimate_memory.py"),
+    ("train.py", ["--profile", "true"], "--profile true is applied by train_with_profiling.py only; train.py would"),
+    ("train_with_profiling.py", ["--dist_timeout_s", "60"], "--dist_timeout_s 60.0 is applied by train_ddp.py and"),
+    ("estimate_memory.py", ["--config", "vit_mp", "--tp", "4", "--world_size", "4", "--strategy", "fsdp"],
+     "estimate_memory.py does not model --tp 4 (train_mp.py applies it): estimate without it"),
+])
+def test_a_key_the_script_would_ignore_is_refused_in_one_line(capsys, tmp_path, script, args, owner):
+    code, err = exit_in_one_process(capsys, script, *args, "--run_dir", str(tmp_path / "run"))
+    assert code == 2 and len(err) == 1 and owner in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
+def test_keys_at_their_defaults_pass_and_the_table_names_real_keys_and_scripts():
+    assert set(APPLIED_BY) <= set(KEYS) and all((REPO / s).is_file() for s in CHECKED_SCRIPTS)
+    assert all(set(scripts) <= CHECKED_SCRIPTS for scripts in APPLIED_BY.values())
+    with mock.patch.object(sys, "argv", ["train.py"]):
+        assert parse_config("", ["--tp", "1", "--pp_schedule", "1f1b", "--profile", "false"]).dist.tp == 1
+    with mock.patch.object(sys, "argv", ["train_with_profiling.py"]):  # its own default (profile) is not "set"
+        assert parse_config("", [], script_defaults={"profile": True}).profile.profile is True
+
+
+def test_the_vit_cp_is_not_estimated_as_something_else():
+    proc = subprocess.run([sys.executable, "estimate_memory.py", "--config", "vit_mp", "--cp", "4", "--world_size", "4",
+                           "--strategy", "fsdp"], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == ("error: the estimate models cp for SwinIR's field bands only, not yet the vit's "
+                                   "(train_mp.py --cp): estimate without --cp")
+
+
+def test_under_torchrun_only_rank_0_prints_a_config_error(capsys, monkeypatch):
+    for rank, lines in (("1", 0), ("0", 1)):
+        monkeypatch.setenv("RANK", rank)
+        with mock.patch.object(sys, "argv", ["train_ddp.py"]), pytest.raises(SystemExit) as stop:
+            parse_config("", ["--cp", "2"])
+        assert stop.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == lines
+
+
+def test_negative_numbers_are_values_and_help_names_each_default_once(capsys):
+    with pytest.raises(SystemExit):
+        parse_config("", ["--lr", "-1e-3"])
+    assert capsys.readouterr().err.strip().endswith("error: lr must be > 0, got -0.001")
+    assert parse_config("", ["--lr=2e-3", "--lr_gamma", "-.5e0", "--lr_gamma", ".5"]).train.lr_gamma == 0.5
+    with pytest.raises(SystemExit):
+        parse_config("", ["--help"])
+    assert capsys.readouterr().out.count("(default: quickstart)") == 1

@@ -21,6 +21,8 @@ import dataclasses
 import inspect
 import json
 import math
+import os
+import re
 import sys
 import textwrap
 import typing
@@ -529,6 +531,38 @@ def _validate_unet3d(cfg: Config) -> None:
                           f"loss_space physical, not {t.loss} / {t.loss_space}")
 
 
+# Keys that only some scripts apply, declared once here: any other script refuses them set away from their defaults,
+# since a user who asks train.py for --tp 2 would otherwise get one device without a sign. Every key not listed is
+# applied by every script that reads a config; scripts not in CHECKED_SCRIPTS (benchmarks) pass keys on to these.
+_DDP, _FSDP, _MP, _PP, _ESTIMATE = "train_ddp.py", "train_fsdp.py", "train_mp.py", "train_pp.py", "estimate_memory.py"
+APPLIED_BY: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(["bucket_cap_mb", "broadcast_buffers", "static_graph", "no_ddp"], (_DDP,)),
+    "gradient_as_bucket_view": (_DDP, _ESTIMATE),
+    **dict.fromkeys(["fsdp_unit", "param_dtype", "reduce_dtype"], (_FSDP, _MP, _PP, _ESTIMATE)),
+    "reshard_after_forward": (_FSDP, _MP, _ESTIMATE),  # train_pp.py keeps parameters gathered through a step
+    "hsdp_replicas": (_FSDP, _ESTIMATE),  # train_mp.py and train_pp.py shard over their own dp meshes
+    **dict.fromkeys(["tp", "parallel_order"], (_MP,)),
+    "cp": (_MP, _ESTIMATE),
+    **dict.fromkeys(["pp", "pp_schedule", "pp_microbatches", "pp_split", "pp_dp"], (_PP,)),
+    "dist_timeout_s": (_DDP, _FSDP, _MP, _PP),
+    **dict.fromkeys([f.name for f in dataclasses.fields(ProfileConfig)], ("train_with_profiling.py",)),
+}
+CHECKED_SCRIPTS = {"train.py", "train_with_profiling.py", _DDP, _FSDP, _MP, _PP, _ESTIMATE}
+
+
+def refuse_unapplied(cfg: Config, script: str) -> None:
+    """ConfigError for the first key that ``script`` would ignore although it is set away from its default."""
+    values, defaults = cfg.to_dict(), Config().to_dict()
+    for key, scripts in APPLIED_BY.items():
+        if script in CHECKED_SCRIPTS and script not in scripts and values[key] != defaults[key]:
+            shown = json.dumps(values[key]) if isinstance(values[key], (bool, list)) else values[key]
+            if script == _ESTIMATE:
+                raise ConfigError(f"{script} does not model --{key} {shown} ({scripts[0]} applies it): estimate "
+                                  "without it")
+            raise ConfigError(f"--{key} {shown} is applied by {' and '.join(scripts)} only; {script} would ignore "
+                              f"it: drop it, or run {scripts[0]}")
+
+
 def lr_scale(rule: str, batch_size: int, base_batch_size: int) -> float:
     """The factor lr_scaling ``rule`` applies to lr at global ``batch_size`` (a pure function: benchmarks and tests
     compute the lr of a run without building it)."""
@@ -546,8 +580,8 @@ def _parse_value(text: str) -> Any:
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
     """--config NAME, --config_file PATH, and one --key per config field (documented in --help)."""
-    parser.add_argument("--config", default="quickstart", help="named config in the config file (default: quickstart)")
-    parser.add_argument("--config_file", default=None, help="YAML file with named configs (default: every config/*.yaml)")
+    parser.add_argument("--config", default="quickstart", help="named config in the config file")
+    parser.add_argument("--config_file", default=None, help="YAML file with named configs; none: every config/*.yaml")
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(f"{section} (override any key of the named config)")
         docs = field_docs(cls)
@@ -564,11 +598,27 @@ def config_from_args(args: argparse.Namespace, script_defaults: Optional[dict[st
     return build_config(args.config, overrides, Path(args.config_file) if args.config_file else None, script_defaults)
 
 
+_NEGATIVE = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
 class _OneLineErrorParser(argparse.ArgumentParser):
     def error(self, message: str) -> typing.NoReturn:
         if "unrecognized arguments" in message:
             message += f"; valid keys: {', '.join(sorted(KEYS))} (see --help)"
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        # Under torchrun every rank parses the same command line: one of them says what is wrong.
+        self.exit(2, f"{self.prog}: error: {message}\n" if os.environ.get("RANK", "0") == "0" else None)
+
+
+def _join_negative_values(argv: list[str]) -> list[str]:
+    """--lr -1e-3 -> --lr=-1e-3: argparse takes a value that starts with '-' for an option unless it looks like
+    -1 or -.5, so the exponent form would fail with 'expected one argument'."""
+    joined: list[str] = []
+    for token in argv:
+        if joined and joined[-1].startswith("--") and "=" not in joined[-1] and _NEGATIVE.fullmatch(token):
+            joined[-1] += f"={token}"
+        else:
+            joined.append(token)
+    return joined
 
 
 def parse_config(description: str = "", argv: Optional[list[str]] = None, extra_args=None,
@@ -583,11 +633,12 @@ def parse_config(description: str = "", argv: Optional[list[str]] = None, extra_
     if extra_args is not None:
         extra_args(parser)
     add_config_args(parser)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_join_negative_values(sys.argv[1:] if argv is None else argv))
     try:
         cfg = config_from_args(args, script_defaults)
+        refuse_unapplied(cfg, parser.prog)
     except ConfigError as e:
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
+        parser.error(str(e))
     return (cfg, args) if extra_args is not None else cfg
 
 

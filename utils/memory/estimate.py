@@ -127,7 +127,10 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
     if cfg.model.model == "swinir" and cfg.dist.cp > 1 and strategy != "fsdp":
         raise ConfigError("cp > 1 is train_mp.py's domain parallelism, sharded with FSDP2 over dp x cp: use --strategy fsdp "
                           "with --world_size a multiple of cp")
-    cp = cfg.dist.cp if cfg.model.model == "swinir" else 1  # SwinIR's cp: bands of each field (domain parallelism)
+    if cfg.model.model != "swinir" and cfg.dist.cp > 1:
+        raise ConfigError(f"the estimate models cp for SwinIR's field bands only, not yet the {cfg.model.model}'s "
+                          f"(train_mp.py --cp): estimate without --cp")
+    cp = cfg.dist.cp  # SwinIR's cp: bands of each field (domain parallelism)
     if world_size % cp:
         raise ConfigError(f"world_size {world_size} is not a multiple of cp {cp}: each field is split over cp ranks")
     if cfg.train.batch_size % (world_size // cp):
