@@ -16,6 +16,9 @@ VIT_LAYOUT := --channels nersc20 --hours-per-step 6 --height 33 --width 64 --see
 # The tested versions (see its header). LOCK= installs the newest versions requirements.txt allows.
 LOCK_FILE := constraints.txt
 LOCK ?= $(LOCK_FILE)
+# Where PyTorch comes from, if not PyPI: TORCH_INDEX=https://download.pytorch.org/whl/cpu installs its CPU wheel
+# (the pinned version, without the CUDA libraries) before everything else, which then keeps it.
+TORCH_INDEX ?=
 
 .PHONY: train train-vit train-unet test data data-vit data-unet install lock clean
 
@@ -23,7 +26,10 @@ install: $(VENV)/.installed
 
 # Depends on the lock too, so that a refreshed lock reinstalls (pip moves every package to its pin).
 $(VENV)/.installed: requirements.txt $(LOCK)
+	@echo "Installing the tested versions into $(VENV): about 5.7 GB, most of it the CUDA libraries that PyTorch's" \
+	  "Linux wheel brings also to a machine without a GPU (a CPU-only install: README.md, Quickstart)."
 	$(PYTHON) -m venv $(VENV)
+	$(if $(TORCH_INDEX),$(PY) -m pip install "torch==$$(sed -n 's/^torch==//p' $(LOCK_FILE))" --index-url $(TORCH_INDEX))
 	$(PY) -m pip install -r requirements.txt $(if $(LOCK),-c $(LOCK))
 	touch $@
 

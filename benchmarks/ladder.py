@@ -17,7 +17,8 @@ warm-up happen there), then the throughput breakdown's ``--breakdown-steps`` tim
 Rungs that need CUDA (TF32, CUDA graphs) are listed as skipped on a CPU, with the reason, and so is
 bf16 on a CPU that emulates it (no AVX512-BF16 or AMX: slower than fp32, and every later rung would
 inherit the slowdown). The table
-goes to stdout; ladder.json and ladder.png (bar chart) to ``--out``. Arguments after ``--`` go to every
+goes to stdout; ladder.json and ladder.png (bars at the median of the ``--repeats`` climbs, a dot for each)
+to ``--out``; a rung whose step is within the run-to-run spread is marked "not resolved on this machine". Arguments after ``--`` go to every
 run (they cannot change a rung's own keys). Peak memory: CUDA, the peak of allocated tensors;
 CPU, the process's peak resident set (everything, not only tensors).
 """
@@ -176,9 +177,21 @@ def combine(climbs: list[list[Result]]) -> list[Result]:
     return combined
 
 
+NOT_RESOLVED = "not resolved on this machine"
+
+
+def unresolved(results: list[Result]) -> set[str]:
+    """Rungs whose step from the rung measured before them is smaller than the spread of either: their effect
+    is not told apart from the run-to-run noise (with one climb nothing is known of the noise: none)."""
+    measured = [r for r in results if r.samples_per_sec is not None]
+    return {r.rung for prev, r in zip(measured, measured[1:])
+            if abs(r.samples_per_sec / prev.samples_per_sec - 1) <= max(r.extra.get("spread", 0),
+                                                                         prev.extra.get("spread", 0))}
+
+
 def format_table(results: list[Result]) -> str:
     measured = [r for r in results if r.samples_per_sec is not None]
-    base = measured[0].samples_per_sec
+    base, noisy = measured[0].samples_per_sec, unresolved(results)
     lines = [f"{'rung':<16}{'samples/s':>10}{'x base':>8}{'x prev':>8}{'peak GB':>9}{'loader':>8}{'spread':>8}  what"]
     previous = None
     for r in results:
@@ -187,10 +200,12 @@ def format_table(results: list[Result]) -> str:
             continue
         step_up = f"{r.samples_per_sec / previous:>8.2f}" if previous else f"{'':>8}"
         lines.append(f"{r.rung:<16}{r.samples_per_sec:>10.2f}{r.samples_per_sec / base:>8.2f}{step_up}"
-                     f"{r.peak_mem_gb:>9.2f}{r.loader_share:>8.0%}{r.extra.get('spread', 0):>8.0%}  {r.what}")
+                     f"{r.peak_mem_gb:>9.2f}{r.loader_share:>8.0%}{r.extra.get('spread', 0):>8.0%}  "
+                     f"{f'{NOT_RESOLVED}: ' if r.rung in noisy else ''}{r.what}")
         previous = r.samples_per_sec
     lines.append("loader = 1 - FULL / SYNTHETIC: the share of the step's own speed that loading still costs; "
-                 "spread = (fastest - slowest) / median over the repeats: differences below it are noise")
+                 "spread = (fastest - slowest) / median over the repeats: differences below it are noise, and a "
+                 f"rung whose x prev is within its own or the previous rung's spread is {NOT_RESOLVED}")
     return "\n".join(lines)
 
 
@@ -200,15 +215,24 @@ def plot(results: list[Result], title: str, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 3.6))
+    fig, ax = plt.subplots(figsize=(8, 3.8))
     names = [r.rung for r in results]
     values = [r.samples_per_sec or 0.0 for r in results]
-    bars = ax.bar(names, values, color=["tab:blue" if r.samples_per_sec else "lightgrey" for r in results])
+    noisy = unresolved(results)
+    bars = ax.bar(names, values, color=["tab:blue" if r.samples_per_sec else "lightgrey" for r in results],
+                  hatch=["//" if r.rung in noisy else "" for r in results], edgecolor="white", alpha=0.8)
     base = next(r.samples_per_sec for r in results if r.samples_per_sec)
-    for bar, r in zip(bars, results):
+    for x, (bar, r) in enumerate(zip(bars, results)):
+        runs = r.extra.get("runs", [r.samples_per_sec] if r.samples_per_sec else [])
+        if runs:  # every climb as a point, the bar at their median, a whisker from the slowest to the fastest
+            ax.plot([x] * len(runs), runs, "o", color="black", markersize=3, zorder=3)
+            ax.vlines(x, min(runs), max(runs), color="black", linewidth=1, zorder=3)
         label = f"{r.samples_per_sec / base:.2f}x" if r.samples_per_sec else "skipped"
-        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
-    ax.set_ylabel("samples/s (FULL)")
+        label += "\nnot resolved" if r.rung in noisy else ""
+        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, max([bar.get_height(), *runs])), ha="center",
+                    va="bottom", fontsize=7.5)
+    ax.set_ylabel(f"samples/s (FULL); bar: median of {max(len(r.extra.get('runs', [0])) for r in results)}, "
+                  "dots: each climb", fontsize=8)
     ax.set_title(textwrap.fill(title, 100), fontsize=8)
     ax.tick_params(axis="x", labelrotation=20, labelsize=8)
     ax.margins(y=0.15)
@@ -230,7 +254,7 @@ def main(argv: Optional[list[str]] = None, runner: Callable[[list[str]], list[di
     parser.add_argument("--breakdown-steps", type=int, default=30, help="timed steps per phase (FULL, SYNTHETIC)")
     parser.add_argument("--workers", type=int, default=min(4, max(1, (os.cpu_count() or 2) - 1)),
                         help="loader workers from the workers rung on (default: 4, or one fewer than the cores)")
-    parser.add_argument("--repeats", type=int, default=2,
+    parser.add_argument("--repeats", type=int, default=3,
                         help="climbs, one after the other; each rung's figure is the median (a shared machine drifts)")
     parser.add_argument("--rungs", nargs="+", default=None, metavar="RUNG",
                         help="measure only these rungs (the baseline always runs; the keys of skipped rungs still add up)")

@@ -429,7 +429,10 @@ def scaling_figure(weak: list[dict], strong: list[dict], title: str):
         bottom.plot(ranks, [p["no_ddp_efficiency"] for p in points], "s:", color="#4C72B0", label="no_ddp")
         bottom.plot(ranks, [p["predicted_efficiency"] for p in points], "x-.", color="#55A868", label="DDP, model")
         bottom.set_ylabel("efficiency (throughput / N x 1 rank)")
-        bottom.set_ylim(0, 1.1)
+        # Never clip a measured point: above 1 is super-linear (two processes on two cores can beat one
+        # process's two threads), and the page explains it.
+        highest = max(max(p["efficiency"], p["no_ddp_efficiency"], p["predicted_efficiency"]) for p in points)
+        bottom.set_ylim(0, max(1.1, 1.05 * highest))
         for ax in (top, bottom):
             ax.set_xlabel("ranks")
             ax.set_xticks(ranks)

@@ -1,6 +1,6 @@
 """The tutorial's teaching pictures, drawn with matplotlib (no pyplot: no global figure state).
 
-    python docs/make_figures.py                                          # (a), (b) and (d)
+    python docs/make_figures.py                                          # (a), (b), (d), (e) and (f)
     python docs/make_figures.py --metrics runs/quickstart/metrics.jsonl  # also (c), from a quickstart run
 
 (a) docs/parallelism.png: what each rank holds under DDP, FSDP and HSDP (parameters, gradients,
@@ -9,8 +9,12 @@
     with RANK, LOCAL_RANK and WORLD_SIZE for 2 nodes x 4 GPUs;
 (d) docs/layers.png: the layers of utils/ as .importlinter states them (imports only go down), with the
     scripts above and models/ beside;
+(e) docs/mesh.png: Step 6's device mesh, 2 nodes x 4 GPUs with --tp 2 --cp 2: which ranks share what;
+(f) docs/bands.png: Step 8's bands of one field over 4 ranks, the halo rows and the shifted windows' ring;
 (c) docs/quickstart_rmse.png: the quickstart's validation RMSE per channel against bicubic
-    interpolation's over training, and the training loss, from a run's metrics.jsonl.
+    interpolation's over training, and the training loss, from a run's metrics.jsonl;
+(g) docs/layout_drift.png (--drift A B): two runs of one config under two layouts (train.py and train_mp.py
+    --cp 2): the training loss step by step and the validation RMSE.
 """
 
 from __future__ import annotations
@@ -21,8 +25,13 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: the layouts come from its code
+from utils.parallel.distributed import mp_mesh_layout  # noqa: E402
+from utils.parallel.domain_parallel import band_bounds  # noqa: E402
 
 DOCS = Path(__file__).resolve().parent
 STATE = (("parameters", "#4C72B0"), ("gradients", "#DD8452"), ("optimizer state (AdamW m, v)", "#55A868"))
@@ -250,14 +259,136 @@ def quickstart_rmse_figure(records: list[dict], source: str, channel_names: list
     return fig
 
 
+MESH_COLOURS = {"tp": "#C44E52", "cp": "#4C72B0", "dp": "#55A868"}
+MESH_MEANS = {"tp": "hold halves of every block's weights (all-gather / reduce-scatter in every layer)",
+              "cp": "hold halves of the tokens: latitude bands (all-gather of keys and values per attention)",
+              "dp": "read different samples (FSDP2 over dp x cp: gradients reduced once per step)"}
+
+
+def mesh_groups(world: int, tp: int, cp: int, order: str = "tp-cp-dp") -> dict[str, list[list[int]]]:
+    """Per mesh dimension, its groups of ranks, by train_mp.py's layout (utils.parallel.distributed.mp_mesh_layout)."""
+    shape, names = mp_mesh_layout(world, tp, cp, order)
+    ranks = np.arange(world).reshape(shape)
+    return {name: np.moveaxis(ranks, axis, -1).reshape(-1, shape[axis]).tolist() for axis, name in enumerate(names)}
+
+
+def mesh_figure(nodes: int = 2, gpus: int = 4, tp: int = 2, cp: int = 2) -> Figure:
+    """(e) Step 6's mesh: 2 nodes x 4 GPUs with --tp 2 --cp 2; which ranks share what, one row per dimension."""
+    world = nodes * gpus
+    groups = mesh_groups(world, tp, cp)
+    fig = Figure(figsize=(13, 5.2), layout="constrained")
+    ax = fig.subplots()
+    ax.set_xlim(-0.6, world + 4.4)
+    ax.set_ylim(-0.4, 4.6)
+    ax.axis("off")
+    for node in range(nodes):
+        ax.add_patch(FancyBboxPatch((node * gpus - 0.42, 3.35), gpus - 0.16, 1.05, boxstyle="round,pad=0.02",
+                                    facecolor="none", edgecolor="#70AD47", linestyle="--", linewidth=1.2))
+        ax.text(node * gpus + gpus / 2 - 0.5, 4.5, f"node {node} (NVLink inside)", ha="center", fontsize=9.5,
+                color="#4F7F2F")
+        for local in range(gpus):
+            rank = node * gpus + local
+            _box(ax, rank, 3.85, 0.7, 0.6, f"rank {rank}", "#FFF2CC", 9.5)
+    for row, name in enumerate(("tp", "cp", "dp")):
+        y = 2.6 - row * 1.05
+        ax.text(-0.55, y, name, ha="left", va="center", fontsize=11, fontweight="bold", color=MESH_COLOURS[name])
+        spans = [(min(g), max(g)) for g in groups[name]]
+        overlap = any(a[0] < b[1] and b[0] < a[1] for a in spans for b in spans if a != b)
+        for index, group in enumerate(groups[name]):
+            offset = (index % 4 - 1.5) * 0.09 if overlap else 0.0  # groups that overlap in x: a line each
+            ax.plot(group, [y + offset] * len(group), "-o", color=MESH_COLOURS[name], linewidth=2.2, markersize=7)
+        ax.text(world - 0.2, y, f"{len(groups[name])} groups of {len(groups[name][0])}: "
+                f"{' '.join('{' + ','.join(map(str, g)) + '}' for g in groups[name])}\n{MESH_MEANS[name]}",
+                ha="left", va="center", fontsize=8.5)
+    ax.text(world / 2 + 1.5, -0.25, "--tp 2 --cp 2 on 8 ranks, --parallel_order tp-cp-dp (fastest-varying first): "
+            "tp pairs are neighbours inside a node; only dp crosses the network", ha="center", fontsize=9.5)
+    return fig
+
+
+def bands_figure(height: int = 90, width: int = 180, window: int = 8, cp: int = 4) -> Figure:
+    """(f) Step 8's bands of a low-res field (quickstart: 90 x 180, window 8, cp 4), with halos and the ring
+    that the shifted windows send, by utils.parallel.domain_parallel.band_bounds."""
+    bounds = band_bounds(height, window, cp)
+    padded = -(-height // window) * window  # SwinIR pads the field to whole windows: the last band holds the padding
+    bounds[-1] = (bounds[-1][0], padded)
+    shift = window // 2
+    colours = ["#4C72B0", "#DD8452", "#55A868", "#8172B3"]
+    fig = Figure(figsize=(12, 6.2), layout="constrained")
+    ax = fig.subplots()
+    ax.set_xlim(-30, width + 150)
+    ax.set_ylim(padded + 6, -8)
+    ax.axis("off")
+    for rank, (start, stop) in enumerate(bounds):
+        real = min(stop, height)
+        ax.add_patch(Rectangle((0, start), width, real - start, facecolor=colours[rank], alpha=0.35, edgecolor="none"))
+        if stop > height:
+            ax.add_patch(Rectangle((0, height), width, stop - height, facecolor="white", edgecolor=colours[rank],
+                                   hatch="///", linewidth=0.8))
+            ax.text(width / 2, (height + stop) / 2, f"{stop - height} rows of reflect padding (whole windows)",
+                    ha="center", va="center", fontsize=8.5)
+        for halo in ((start - 1, start) if rank else ()), ((stop, stop + 1) if rank < cp - 1 else ()):
+            if halo:
+                ax.add_patch(Rectangle((0, halo[0]), width, 1, facecolor=colours[rank], edgecolor=colours[rank]))
+        ax.text(-4, (start + stop) / 2, f"rank {rank}\nrows {start}-{stop - 1}", ha="right", va="center",
+                fontsize=9, color=colours[rank], fontweight="bold")
+        # The top rows that the shifted windows send to the band above (rank 0's around the ring, to rank 3).
+        ax.add_patch(Rectangle((0, start), width, shift, facecolor="none", edgecolor=colours[rank], hatch="...",
+                               linewidth=0))
+        end = start - shift if rank else padded - shift / 2
+        ax.add_patch(FancyArrowPatch((width + 4, start + shift / 2), (width + 4, end), arrowstyle="-|>",
+                                     connectionstyle=f"arc3,rad={-0.3 if rank == 0 else 0}", mutation_scale=11,
+                                     color=colours[rank], linewidth=1.5))
+    for x in range(0, width + 1, window):
+        ax.plot([x, x], [0, padded], color="white", linewidth=0.4)
+    for y in range(0, padded + 1, window):
+        ax.plot([0, width], [y, y], color="white", linewidth=0.4)
+    ax.text(width + 50, padded * 0.45,
+            "thin strips at each boundary: the halo, 1 row that every 3x3\nconvolution takes from each neighbour "
+            "(and sends its\ngradient back in backward)\n\n"
+            f"dotted rows and arrows: the shifted windows' ring: the top\n{shift} rows of each band move to the bottom "
+            "of the band\nabove (rank 0's to rank 3) before each shifted\nattention, and back after it\n\n"
+            f"white lines: the {window}x{window} windows; bands are whole\nrows of windows, the larger ones first",
+            ha="left", va="center", fontsize=9)
+    ax.set_title(f"one {height} x {width} low-res field (quickstart) in {cp} bands: train_mp.py --cp {cp}",
+                 fontsize=11)
+    return fig
+
+
+def drift_figure(runs: dict[str, list[dict]]) -> Figure:
+    """(g) The training loss of two layouts of the same run, step by step, and their validation RMSE."""
+    fig = Figure(figsize=(12, 4.4), layout="constrained")
+    loss_ax, val_ax = fig.subplots(1, 2, width_ratios=(2, 1))
+    for (label, records), colour in zip(runs.items(), ("#4C72B0", "#DD8452")):
+        train = [r for r in records if r["kind"] == "train"]
+        loss_ax.plot([r["step"] for r in train], [r["loss"] for r in train], color=colour, label=label, linewidth=1.2)
+        val = [r for r in records if r["kind"] == "val"]
+        mean_rmse = [sum(r["rmse"].values()) / len(r["rmse"]) for r in val]
+        val_ax.plot([r["step"] for r in val], mean_rmse, "o-", color=colour, label=label, markersize=4)
+    loss_ax.set_yscale("log")
+    loss_ax.set(xlabel="step", ylabel="training loss (L1, physical units)", title="training loss, every logged step")
+    val_ax.set(xlabel="step", ylabel="validation RMSE, mean over channels", title="validation")
+    loss_ax.legend(fontsize=9)
+    return fig
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--metrics", type=Path, help="a quickstart run's metrics.jsonl: also draw (c)")
+    parser.add_argument("--drift", type=Path, nargs=2, metavar=("ONE_DEVICE", "LAYOUT"),
+                        help="two runs' metrics.jsonl (train.py's and another layout's): also draw (g)")
     parser.add_argument("--out", type=Path, default=DOCS, help="folder for the PNGs")
     parser.add_argument("--dpi", type=int, default=100)
     args = parser.parse_args(argv)
     figures = {"parallelism.png": parallelism_figure(), "launch_tree.png": launch_tree_figure(),
-               "layers.png": layers_figure()}
+               "layers.png": layers_figure(), "mesh.png": mesh_figure(), "bands.png": bands_figure()}
+    if args.drift:
+        try:
+            runs = {f"{path.parent.name} ({path.parent})": [json.loads(line) for line in path.read_text().splitlines()
+                                                            if line.strip()] for path in args.drift}
+            figures["layout_drift.png"] = drift_figure(runs)
+        except (OSError, ValueError, KeyError) as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
     if args.metrics:
         try:
             records = [json.loads(line) for line in args.metrics.read_text().splitlines() if line.strip()]

@@ -61,7 +61,8 @@ def test_two_pipelines_of_two_stages_equal_one_process():
 def pp_runs(vit_data, vit_reference, tmp_path_factory):
     """The ViT as 2 stages (1F1B, 2 microbatches); resumed from its step-3 checkpoint as dp 2 x pp 1."""
     pp2_says = ["mesh dp 1 x pp 2 | 2 stages of [1, 1] units, 1f1b, 2 microbatches",
-                "warning: 2 microbatches for 2 stages: the bubble is 33% in theory; use >= 4 microbatches"]
+                "warning: 2 microbatches for 2 stages leave the ranks idle while the pipeline fills and drains (33% in "
+                "theory); use >= 4 microbatches"]
     return run_then_resume(tmp_path_factory.mktemp("pp_runs"), vit_reference, "train_pp.py",
                            lambda run, *flags: vit_args(vit_data, run, *VIT_STEPS, *flags),
                            ("pp2", ["--pp", "2", "--pp_microbatches", "2"], pp2_says),
@@ -81,6 +82,11 @@ def test_bubble_and_memory_per_rank(pp_runs):
     bubble = next(r for r in records if r["kind"] == "pipeline")
     assert bubble["schedule"] == "1f1b" and bubble["bubble_theory"] == pytest.approx(1 / 3, abs=1e-3)
     assert len(bubble["bubble_per_rank"]) == 2 and all(0 < b < 1 for b in bubble["bubble_per_rank"])
+    # The timeline of the last step: rank r runs stage r's forward and backward of each of the 2 microbatches,
+    # one chunk after the other.
+    for rank, chunks in enumerate(bubble["timeline_ms"]):
+        assert sorted((kind, stage) for kind, stage, _, _ in chunks) == [("B", rank)] * 2 + [("F", rank)] * 2
+        assert all(0 <= start < end <= next_start for (*_, start, end), (*_, next_start, _) in zip(chunks, chunks[1:]))
     memory = next(r for r in records if r["kind"] == "memory")
     # Each rank holds its stage's parameters: about half of the model (the stem and tail are not equal).
     assert memory["ranks"] == 2 and memory["activations_mb"] > 0

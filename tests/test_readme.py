@@ -40,7 +40,7 @@ import pytest
 
 from tests.conftest import REPO, TINY_MODEL
 
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "datasets" / "README.md"]
 
 # ------------------------------------------------------------------------------------------------------
 # How each runnable command is shrunk to a CPU test. Key: the command as the page writes it (comments
@@ -106,6 +106,16 @@ CPU_RUN = {
     "python benchmarks/convergence.py --config vit_quickstart":
         "python benchmarks/convergence.py --config vit_quickstart --batches 4 --base_batch 4 --samples 8 "
         "--val_every_samples 4 -- --val_samples 4",
+    # datasets/README.md (the ws's datasets/era5 is a folder of its own: the tests' data stay untouched)
+    "python datasets/make_synthetic_era5.py --out datasets/era5 --samples-per-year 64 --height 181 --width 360 "
+    "--seed 0 --train-years 2008 2010 --valid-years --split valid_1=2015":
+        "python datasets/make_synthetic_era5.py --out datasets/era5 --samples-per-year 4 --height 19 --width 36 "
+        "--seed 0 --train-years 2008 --valid-years --split valid_1=2015",
+    "python benchmarks/bench_data.py datasets/synthetic_small --num-workers 0 2":
+        "... --batches 2 --repeats 1 --crop-size 32 --batch-size 2",
+    "python benchmarks/bench_data.py --synthetic 16 --num-workers 4":
+        "python benchmarks/bench_data.py --synthetic 2 --num-workers 0 --batches 2 --repeats 1 --crop-size 32 "
+        "--batch-size 2",
 }
 CPU_RUN = {shlex.join(shlex.split(key)): value for key, value in CPU_RUN.items()}  # as the pages' commands
 TRAINS = re.compile(r"\btrain\w*\.py\b|\btorchrun\b|bench_ddp_overhead|benchmarks/ladder|convergence\.py")

@@ -213,8 +213,9 @@ class MetricsLogger:
             head = f"{record['kind']:<5} {head}"
         parts = [head]
         for key, value in record.items():
-            if key in _NOT_METRICS or value is None:
-                continue
+            if key in _NOT_METRICS or value is None or (isinstance(value, list) and value
+                                                         and isinstance(value[0], list)):
+                continue  # tables (a pipeline's timeline) are for metrics.jsonl, not the console line
             if key in _CONSOLE_FORMATS and _is_number(value):
                 parts.append(_CONSOLE_FORMATS[key].format(value))
             elif isinstance(value, list) and self._names_for(value) != self.channel_names:

@@ -45,7 +45,9 @@ from utils.precision import autocast
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
              "zbv": ScheduleZBVZeroBubble}
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zbv": 2}
-TIMED = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+# The chunk methods of a PipelineStage that are timed, and their letters on the timeline: forward, backward
+# (under ZB-V the input-gradient half only), and ZB-V's deferred weight-gradient half.
+TIMED = {"forward_one_chunk": "F", "backward_one_chunk": "B", "backward_weight_one_chunk": "W"}
 
 
 def plan_for(model: nn.Module) -> StagePlan:
@@ -163,7 +165,7 @@ def apply_data_parallel(stage: nn.Module, cfg, device: torch.device, mesh) -> nn
     return apply_fsdp(stage, cfg, device, dp_mesh, reshard_after_forward=False)
 
 
-def _timed(fn: Callable, pipeline: "Pipeline") -> Callable:
+def _timed(fn: Callable, pipeline: "Pipeline", kind: str, stage: int) -> Callable:
     @functools.wraps(fn)
     def timed(*args, **kwargs):
         start = time.perf_counter()
@@ -172,7 +174,9 @@ def _timed(fn: Callable, pipeline: "Pipeline") -> Callable:
         finally:
             if pipeline.device.type == "cuda":  # host timestamps mean GPU time only once the kernels finished
                 torch.cuda.synchronize(pipeline.device)
-            pipeline._busy += time.perf_counter() - start
+            end = time.perf_counter()
+            pipeline._busy += end - start
+            pipeline._chunks.append((kind, stage, start - pipeline._step_start, end - pipeline._step_start))
     return timed
 
 
@@ -229,13 +233,16 @@ class Pipeline:
         self.last_rank = self.owner[self.n_stages - 1]
         self.holds_first, self.holds_last = 0 in self.stage_ids, self.n_stages - 1 in self.stage_ids
         self.loss_fn = loss_fn
-        # Fewer microbatches than 2 x stages leaves much of each rank idle (see bubble_theory).
-        self.warning = (f"warning: {d.pp_microbatches} microbatches for {self.n_stages} stages: the bubble is "
-                        f"{bubble_theory(d.pp_schedule, self.pp, d.pp_microbatches):.0%} in theory; use >= "
+        # Fewer microbatches than 2 x stages leaves much of each rank idle while the pipeline fills and drains;
+        # ZB-V's theoretical 0 % assumes equal forward, input- and weight-gradient times, so it is not quoted.
+        theory = bubble_theory(d.pp_schedule, self.pp, d.pp_microbatches)
+        self.warning = (f"warning: {d.pp_microbatches} microbatches for {self.n_stages} stages leave the ranks idle "
+                        f"while the pipeline fills and drains{f' ({theory:.0%} in theory)' if theory else ''}; use >= "
                         f"{2 * self.n_stages} microbatches" if d.pp_microbatches < 2 * self.n_stages else None)
         self.training = True
         self._schedules: dict = {}
-        self._busy = self._busy_measured = self._wall_measured = 0.0
+        self._busy = self._busy_measured = self._wall_measured = self._step_start = 0.0
+        self._chunks: list[tuple[str, int, float, float]] = []  # the current step's (kind, stage, start, end)
         self._steps = 0
 
     def describe(self) -> str:
@@ -293,8 +300,8 @@ class Pipeline:
                       for stage, s in zip(self.stages, self.stage_ids)]
             if loss_fn is not None:  # training: time the compute of every chunk
                 for stage in stages:
-                    for name in TIMED:
-                        setattr(stage, name, _timed(getattr(stage, name), self))
+                    for name, kind in TIMED.items():
+                        setattr(stage, name, _timed(getattr(stage, name), self, kind, stage.stage_index))
             schedule_cls = SCHEDULES[self.schedule_name]
             try:
                 self._schedules[key] = schedule_cls(stages if len(stages) > 1 else stages[0],
@@ -309,6 +316,7 @@ class Pipeline:
         schedule = self._schedule("train", self.microbatches, lambda pred, tgt: self.loss_fn(pred.float(), tgt))
         losses: list[torch.Tensor] = []
         busy, start = self._busy, time.perf_counter()
+        self._chunks, self._step_start = [], start
         schedule.step(*([inputs] if self.holds_first else []), target=target if self.holds_last else None,
                       losses=losses)
         self._steps += 1
@@ -384,15 +392,19 @@ class Pipeline:
 
 
 def bubble_report(pipeline: Pipeline, step: int) -> Optional[dict]:
-    """Metrics record (kind "pipeline"): every rank's measured idle fraction next to the theory; collective.
-    None when fewer than two training steps ran (the first is not timed)."""
+    """Metrics record (kind "pipeline"): every rank's measured idle fraction next to the theory, and the last
+    step's timeline: per rank, [kind (F, B, W), stage, start ms, end ms] of each chunk from the rank's own start
+    of the step (the ranks start a step together: the previous one ended with a collective). Collective; None
+    when fewer than two training steps ran (the first is not timed)."""
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, pipeline.bubble())
-    if any(value is None for value in gathered):
+    timeline = [[kind, stage, round(start * 1e3, 2), round(end * 1e3, 2)] for kind, stage, start, end in pipeline._chunks]
+    dist.all_gather_object(gathered, (pipeline.bubble(), timeline))
+    if any(bubble is None for bubble, _ in gathered):
         return None
     return {"kind": "pipeline", "step": step, "schedule": pipeline.schedule_name, "stages": pipeline.n_stages,
-            "microbatches": pipeline.microbatches, "bubble_per_rank": [round(value, 4) for value in gathered],
-            "bubble_theory": round(bubble_theory(pipeline.schedule_name, pipeline.pp, pipeline.microbatches), 4)}
+            "microbatches": pipeline.microbatches, "bubble_per_rank": [round(bubble, 4) for bubble, _ in gathered],
+            "bubble_theory": round(bubble_theory(pipeline.schedule_name, pipeline.pp, pipeline.microbatches), 4),
+            "timeline_ms": [chunks for _, chunks in gathered]}
 
 
 def _parameters_of(value) -> list[torch.Tensor]:
