@@ -15,7 +15,7 @@ run: it takes a second.
     python estimate_memory.py --config vit_mp --device cuda --amp_dtype none   # the ViT, 350M parameters, batch 64
     python estimate_memory.py --config vit_mp --device cuda --ac block
     python estimate_memory.py --config vit_mp --device cuda --strategy fsdp --world_size 4
-    python estimate_memory.py --config full_size --cp 4 --world_size 4 --strategy fsdp   # 4 bands per field
+    python estimate_memory.py --config full_size --cp 4 --world_size 4 --strategy fsdp --device cuda  # 4 bands
     python estimate_memory.py --config unet3d_base --device cuda        # SC22's U-Net, 64³ crops, batch 64
     python estimate_memory.py --config full_size --json                 # one JSON object
 
@@ -25,6 +25,8 @@ always its whole img_size field (no crops, no --field); its activation checkpoin
 FSDP unit are the transformer block (``ac: layer`` is SwinIR's RSTB, an error for the ViT).
 For SwinIR, --cp N (train_mp.py's domain parallelism) estimates the rank holding the largest band of
 each field: the cp ranks of a field share its samples, FSDP2 shards over all --world_size ranks.
+Tensor and pipeline parallelism (--tp, --pp) and the ViT's --cp are not modelled yet: the estimate
+refuses them in one line rather than answer for another layout.
 The U-Net's input is its crop_size³ crop; its units are its down and up blocks (one convolution each).
 See utils/memory/estimate.py for the model of each term, and which terms are exact or approximate;
 benchmarks/validate_memory_estimate.py compares the estimate with measurements.

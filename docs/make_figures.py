@@ -355,19 +355,27 @@ def bands_figure(height: int = 90, width: int = 180, window: int = 8, cp: int = 
 
 
 def drift_figure(runs: dict[str, list[dict]]) -> Figure:
-    """(g) The training loss of two layouts of the same run, step by step, and their validation RMSE."""
-    fig = Figure(figsize=(12, 4.4), layout="constrained")
-    loss_ax, val_ax = fig.subplots(1, 2, width_ratios=(2, 1))
+    """(g) Two layouts of the same run: the training loss at every logged step, how far apart the two are
+    (relative difference), and the validation RMSE."""
+    fig = Figure(figsize=(14, 4.2), layout="constrained")
+    loss_ax, gap_ax, val_ax = fig.subplots(1, 3, width_ratios=(1.2, 1.2, 1))
+    losses = []
     for (label, records), colour in zip(runs.items(), ("#4C72B0", "#DD8452")):
-        train = [r for r in records if r["kind"] == "train"]
-        loss_ax.plot([r["step"] for r in train], [r["loss"] for r in train], color=colour, label=label, linewidth=1.2)
+        train = {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+        losses.append(train)
+        loss_ax.plot(list(train), list(train.values()), color=colour, label=label, linewidth=1.2)
         val = [r for r in records if r["kind"] == "val"]
-        mean_rmse = [sum(r["rmse"].values()) / len(r["rmse"]) for r in val]
+        mean_rmse = [sum(r["rmse"]) / len(r["rmse"]) for r in val]  # per channel, in the channels' order
         val_ax.plot([r["step"] for r in val], mean_rmse, "o-", color=colour, label=label, markersize=4)
+    steps = sorted(set(losses[0]) & set(losses[1]))
+    gap_ax.plot(steps, [abs(losses[1][s] - losses[0][s]) / losses[0][s] for s in steps], "o-", color="#55A868",
+                markersize=3)
     loss_ax.set_yscale("log")
-    loss_ax.set(xlabel="step", ylabel="training loss (L1, physical units)", title="training loss, every logged step")
+    gap_ax.set_yscale("log")
+    loss_ax.set(xlabel="step", ylabel="training loss (L1, physical units)", title="training loss")
+    gap_ax.set(xlabel="step", ylabel="|difference| / first run's loss", title="how far apart the two losses are")
     val_ax.set(xlabel="step", ylabel="validation RMSE, mean over channels", title="validation")
-    loss_ax.legend(fontsize=9)
+    loss_ax.legend(fontsize=8)
     return fig
 
 

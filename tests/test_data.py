@@ -6,6 +6,7 @@ import pickle
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import h5py
 import numpy as np
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
+import datasets.check_data as check_data
 import datasets.make_synthetic_era5 as gen
 from datasets.make_synthetic_era5 import make_synthetic_era5
 from benchmarks import bench_data as data_bench
@@ -21,6 +23,7 @@ from utils.config import Config
 from utils.data import build_loaders
 from utils.data.common import DataError, ResumableDistributedSampler, build_dataloader
 from utils.data.era5 import CHANNEL_NAMES, SUPERBENCH_MEAN, SUPERBENCH_STD, ERA5Dataset, bicubic_downsample
+from tests.conftest import exit_in_one_process
 
 REPO = Path(__file__).resolve().parent.parent
 DAYS, HEIGHT, WIDTH = 6, 49, 96  # 48 x 96 after dropping the last row
@@ -478,3 +481,17 @@ def test_one_stand_in_recipe_in_the_makefile_and_the_errors(tmp_path, monkeypatc
     cfg = build_config("quickstart", {"data_dir": "datasets"})
     with pytest.raises(DataError, match=f"relative to the current directory {tmp_path}; from the repository root"):
         build_loaders(cfg)
+
+
+def test_check_data_lists_what_a_config_reads_and_stops_in_one_line_at_what_it_cannot(tiny_data, tmp_path, capsys):
+    with mock.patch.object(sys, "argv", ["datasets/check_data.py", "--config", "quickstart", "--data_dir",
+                                         str(tiny_data)]):
+        assert check_data.main() == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith(f"ok: {tiny_data} holds what --config quickstart reads: ") and len(out) == 4, out
+    assert all(": fields (" in line and line.endswith(" GB") for line in out[:3]), out
+    broken = tmp_path / "broken"
+    (broken / "train").mkdir(parents=True)
+    (broken / "train" / "2008.h5").symlink_to(next((tiny_data / "train").glob("*.h5")))
+    code, err = exit_in_one_process(capsys, "datasets/check_data.py", "--config", "quickstart", "--data_dir", str(broken))
+    assert code == 2 and len(err) == 1 and err[0].startswith("check_data.py: error: ") and "valid" in err[0], err

@@ -30,7 +30,7 @@ def test_every_picture_is_drawn(make_figures, tmp_path):
     runs = []
     for name, offset in (("single", 0.0), ("cp2", 0.01)):
         records = [{"kind": "train", "step": s, "loss": 1 / s + offset} for s in range(1, 5)]
-        records.append({"kind": "val", "step": 4, "rmse": {"a": 1.0 + offset, "b": 2.0}})
+        records.append({"kind": "val", "step": 4, "rmse": [1.0 + offset, 2.0]})  # per channel, as train.py logs it
         (tmp_path / name).mkdir()
         (tmp_path / name / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records))
         runs.append(str(tmp_path / name / "metrics.jsonl"))

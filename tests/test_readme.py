@@ -93,7 +93,8 @@ CPU_RUN = {
     "torchrun --standalone --nproc-per-node 2 train_mp.py --config vit_quickstart --tp 2 --run_dir runs/vit_tp2":
         "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 4 --batch_size 4",
     "torchrun --standalone --nproc-per-node 2 train_pp.py --config quickstart --pp 2 --pp_schedule zbv "
-    "--depths '[1,1,1,1]' --num_heads '[2,2,2,2]' --batch_size 4 --run_dir runs/quickstart_pp2":
+    "--depths '[1,1,1,1]' --num_heads '[2,2,2,2]' --batch_size 8 --pp_microbatches 8 --max_steps 100 "
+    "--run_dir runs/quickstart_pp2":
         "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 2",
     "torchrun --standalone --nproc-per-node 2 train_mp.py --config quickstart --cp 2 --run_dir runs/quickstart_cp2":
         "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 2",
