@@ -53,6 +53,7 @@ CPU_RUN = {
     # README.md
     "python train.py --config quickstart":
         "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 2",
+    "python train.py --config vit_quickstart --tp 2 --run_dir runs/vit_tp2_refused": "... --max_steps 2",  # refused
     # docs/part1-swinir.md
     "python train.py --config baseline --data_dir datasets/synthetic_small --valid_split valid --batch_size 2 "
     "--max_steps 10 --log_every 2 --val_every 10 --val_samples 4 --num_workers 2 --run_dir runs/try_baseline":
@@ -107,7 +108,20 @@ CPU_RUN = {
     "python benchmarks/convergence.py --config vit_quickstart":
         "python benchmarks/convergence.py --config vit_quickstart --batches 4 --base_batch 4 --samples 8 "
         "--val_every_samples 4 -- --val_samples 4",
-    # datasets/README.md (the ws's datasets/era5 is a folder of its own: the tests' data stay untouched)
+    # datasets/README.md (the ws's datasets/era5 is a folder of its own; the quickstarts' stand-ins are the tests'
+    # data, linked: their recipes write a small copy elsewhere)
+    "python datasets/make_synthetic_era5.py --out datasets/synthetic_small --samples-per-year 64 --height 181 "
+    "--width 360 --seed 0 --train-years 2008 2010 --valid-years 2015":
+        "python datasets/make_synthetic_era5.py --out runs/synthetic_small --samples-per-year 4 --height 19 "
+        "--width 36 --seed 0 --train-years 2008 --valid-years 2015",
+    "python datasets/make_synthetic_era5.py --out datasets/synthetic_vit --channels nersc20 --hours-per-step 6 "
+    "--height 33 --width 64 --samples-per-year 730 --train-years 2008 2010 --valid-years":
+        "python datasets/make_synthetic_era5.py --out runs/synthetic_vit --channels nersc20 --hours-per-step 6 "
+        "--height 33 --width 64 --samples-per-year 4 --train-years 2008 --valid-years",
+    "python datasets/make_synthetic_era5.py --out datasets/synthetic_vit --channels nersc20 --hours-per-step 6 "
+    "--height 33 --width 64 --samples-per-year 128 --train-years --valid-years 2015 --no-stats":
+        "python datasets/make_synthetic_era5.py --out runs/synthetic_vit --channels nersc20 --hours-per-step 6 "
+        "--height 33 --width 64 --samples-per-year 4 --train-years --valid-years 2015 --no-stats",
     "python datasets/make_synthetic_era5.py --out datasets/era5 --samples-per-year 64 --height 181 --width 360 "
     "--seed 0 --train-years 2008 2010 --valid-years --split valid_1=2015":
         "python datasets/make_synthetic_era5.py --out datasets/era5 --samples-per-year 4 --height 19 --width 36 "
