@@ -1,6 +1,6 @@
 """The tutorial's teaching pictures, drawn with matplotlib (no pyplot: no global figure state).
 
-    python docs/make_figures.py                                          # (a), (b), (d), (e) and (f)
+    python docs/make_figures.py                                          # (a), (b), (d), (e), (f) and (h)
     python docs/make_figures.py --metrics runs/quickstart/metrics.jsonl  # also (c), from a quickstart run
 
 (a) docs/parallelism.png: what each rank holds under DDP, FSDP and HSDP (parameters, gradients,
@@ -11,6 +11,7 @@
     scripts above and models/ beside;
 (e) docs/mesh.png: Step 6's device mesh, 2 nodes x 4 GPUs with --tp 2 --cp 2: which ranks share what;
 (f) docs/bands.png: Step 8's bands of one field over 4 ranks, the halo rows and the shifted windows' ring;
+(h) docs/job_chain.png: one long run as one SLURM job that requeues itself, and what a cancel or a lost rank does;
 (c) docs/quickstart_rmse.png: the quickstart's validation RMSE per channel against bicubic
     interpolation's over training, and the training loss, from a run's metrics.jsonl;
 (g) docs/layout_drift.png (--drift A B): two runs of one config under two layouts (train.py and train_mp.py
@@ -354,6 +355,52 @@ def bands_figure(height: int = 90, width: int = 180, window: int = 8, cp: int = 
     return fig
 
 
+def job_chain_figure() -> Figure:
+    """(h) One long run as one SLURM job: segments that stop before their time limit and requeue themselves,
+    and the paths of a cancelled job and of a lost rank."""
+    fig = Figure(figsize=(15, 5.8), layout="constrained")
+    ax = fig.subplots()
+    ax.set_xlim(0, 16)
+    ax.set_ylim(0, 6.9)
+    ax.axis("off")
+    colours = {"run": "#DCE6F2", "stop": "#FCE4D6", "wait": "#EDEDED", "end": "#E2F0D9"}
+    y = 4.9
+    ax.text(0.1, 6.6, "sbatch submit_multinode.sh train_ddp.py ... (#SBATCH --requeue --signal=B:USR1@120 "
+            "--open-mode=append): one job id, one log", fontsize=10, family="monospace")
+    segments = [(0.1, 3.2, "segment 1: --resume auto\nfinds nothing: starts fresh"),
+                (5.3, 3.2, "segment 2 (SLURM_RESTART_COUNT 1):\nresumes from step N"),
+                (10.5, 3.2, "segment 3: resumes from\nstep M, reaches max_steps")]
+    for index, (x, width, text) in enumerate(segments):
+        _box(ax, x + width / 2, y, width, 0.8, text, colours["run"], 9)
+        if index < 2:
+            _box(ax, x + width + 0.45, y, 0.8, 0.8, "save\nexit 75", colours["stop"], 8.5)
+            ax.annotate("SIGUSR1\n120 s before\nthe limit", (x + width, y + 0.42), (x + width - 0.2, y + 1.05),
+                        fontsize=8, ha="center", arrowprops={"arrowstyle": "-|>", "color": "#C44E52"},
+                        color="#C44E52")
+            _box(ax, x + width + 1.45, y, 1.0, 0.8, "requeue:\npending", colours["wait"], 8.5)
+            _arrow(ax, (x + width + 1.95, y), (x + width + 2.15, y))
+    _box(ax, 14.6, y, 1.1, 0.8, "done:\nCOMPLETED", colours["end"], 9)
+    _arrow(ax, (13.7, y), (14.05, y))
+    ax.text(0.1, 3.75, "the job script traps SIGUSR1, sends the run SIGTERM (torchrun passes it on); the ranks agree at "
+            "the next step boundary, save that step and exit 75; the script calls scontrol requeue (at most "
+            "MAX_REQUEUES times)", fontsize=9)
+    y2 = 2.55
+    _box(ax, 1.9, y2, 3.6, 0.8, "scancel or preemption: SIGTERM", colours["stop"], 9)
+    _arrow(ax, (3.7, y2), (4.3, y2))
+    _box(ax, 6.6, y2, 4.4, 0.8, "save the step, exit 75: stopped, not requeued\n(sbatch it again: --resume auto)",
+         colours["stop"], 9)
+    y3 = 1.2
+    _box(ax, 1.9, y3, 3.6, 0.8, "a rank dies (crash, OOM kill, lost node)", colours["stop"], 9)
+    _arrow(ax, (3.7, y3), (4.3, y3))
+    _box(ax, 6.6, y3, 4.4, 0.8, "torchrun --max-restarts: all workers start again\nfrom the newest checkpoint",
+         colours["run"], 9)
+    ax.text(9.1, y3, "(up to MAX_RESTARTS times; a worker that exits 2, 3 or 4 — bad input,\na diverged loss, "
+            "a full disk — would fail again: not retried, the job ends)", fontsize=9, va="center")
+    ax.text(0.1, 0.25, "Each recovery path continues to the weights of an uninterrupted run (tests/test_stop.py, "
+            "tests/test_slurm.py); docs/part1-swinir.md, Long runs.", fontsize=9)
+    return fig
+
+
 def drift_figure(runs: dict[str, list[dict]]) -> Figure:
     """(g) Two layouts of the same run: the training loss at every logged step, how far apart the two are
     (relative difference), and the validation RMSE."""
@@ -388,7 +435,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dpi", type=int, default=100)
     args = parser.parse_args(argv)
     figures = {"parallelism.png": parallelism_figure(), "launch_tree.png": launch_tree_figure(),
-               "layers.png": layers_figure(), "mesh.png": mesh_figure(), "bands.png": bands_figure()}
+               "layers.png": layers_figure(), "mesh.png": mesh_figure(), "bands.png": bands_figure(),
+               "job_chain.png": job_chain_figure()}
     if args.drift:
         try:
             runs = {f"{path.parent.name} ({path.parent})": [json.loads(line) for line in path.read_text().splitlines()

@@ -10,10 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.distributed.checkpoint import load as dcp_load
 
 from utils import checkpoint as ckpt
 from utils.checkpoint import (CheckpointError, capture_rng_state, ensure_writable_dir, latest_checkpoint,
                               load_checkpoint, restore_rng_state, save_checkpoint, strip_wrapper_prefixes)
+from utils.parallel.fsdp import save_sharded_checkpoint
 
 
 def small_state(value: float) -> dict:
@@ -105,6 +107,40 @@ def test_process_killed_mid_save_keeps_previous_checkpoint(tmp_path):
     assert torch.equal(load_checkpoint(latest_checkpoint(directory))["weights"], torch.full((4, 4), 1.0))
     save_checkpoint(directory, 2, small_state(2.0))
     assert sorted(os.listdir(directory)) == ["step_00000001.pt", "step_00000002.pt"]  # temp file cleaned
+
+
+KILLED_MID_SHARDED_SAVE = """
+import os, signal, sys, torch
+sys.path.insert(0, sys.argv[2])
+from utils.parallel import fsdp
+
+def write_a_shard_then_die(payload, checkpoint_id):
+    os.makedirs(checkpoint_id, exist_ok=True)
+    with open(os.path.join(checkpoint_id, "__0_0.distcp"), "wb") as shard:
+        shard.write(b"the first bytes of rank 0's shard")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+fsdp.dcp.save = write_a_shard_then_die
+fsdp.save_sharded_checkpoint(sys.argv[1], 2, {"weights": torch.zeros(4)})
+"""
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process without a group
+def test_process_killed_mid_sharded_save_keeps_previous_checkpoint(tmp_path):
+    # train_fsdp.py's checkpoints (DCP folders): a job killed while its ranks write step 2 resumes from step 1,
+    # and the next save removes the half-written folder.
+    directory = tmp_path / "ckpt"
+    save_sharded_checkpoint(directory, 1, {"weights": torch.ones(4)})
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-c", KILLED_MID_SHARDED_SAVE, str(directory), str(repo)], timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    assert sorted(os.listdir(directory)) == [f"{ckpt.TEMP_PREFIX}00000002", "step_00000001"]
+    resumed = ckpt.checkpoint_to_resume(directory, "auto", sharded=True)
+    state = {"weights": torch.zeros(4)}
+    dcp_load(state, checkpoint_id=resumed)
+    assert resumed.name == "step_00000001" and torch.equal(state["weights"], torch.ones(4))
+    save_sharded_checkpoint(directory, 2, {"weights": torch.full((4,), 2.0)})
+    assert sorted(os.listdir(directory)) == ["step_00000001", "step_00000002"]  # the hidden folder is gone
 
 
 def test_write_failure_message_is_one_line(tmp_path, monkeypatch):

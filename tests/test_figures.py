@@ -35,7 +35,7 @@ def test_every_picture_is_drawn(make_figures, tmp_path):
         (tmp_path / name / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records))
         runs.append(str(tmp_path / name / "metrics.jsonl"))
     assert make_figures.main(["--out", str(tmp_path / "png"), "--drift", *runs]) == 0
-    for name in ("parallelism", "launch_tree", "layers", "mesh", "bands", "layout_drift"):
+    for name in ("parallelism", "launch_tree", "layers", "mesh", "bands", "job_chain", "layout_drift"):
         assert (tmp_path / "png" / f"{name}.png").stat().st_size > 10_000, name
     assert make_figures.main(["--out", str(tmp_path / "png"), "--drift", runs[0], str(tmp_path / "none")]) == 2
 
