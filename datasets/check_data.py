@@ -47,14 +47,15 @@ def main() -> int:
     cfg = parse_config(__doc__)
     try:
         train, valid = build_loaders(cfg)
-        lines = [describe(path) for path in data_files(cfg)]
+        files = data_files(cfg)
+        lines = [describe(path) for path in files]
     except (DataError, ConfigError, OSError) as error:
         print(f"check_data.py: error: {error}", file=sys.stderr)
         return 2
     print("\n".join(lines))
-    total = sum(p.stat().st_size for p in data_files(cfg)) / 1e9
+    total = sum(path.stat().st_size for path in files) / 1e9
     print(f"ok: {cfg.data.data_dir} holds what --config {cfg.name} reads: {len(train.dataset)} training and "
-          f"{len(valid.dataset)} validation samples, {len(lines)} files, {total:.2f} GB")
+          f"{len(valid.dataset)} validation samples, {len(files)} files, {total:.2f} GB")
     return 0
 
 

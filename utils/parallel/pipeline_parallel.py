@@ -327,6 +327,11 @@ class Pipeline:
         dist.all_reduce(loss, group=self.group)  # only the last stage's rank has it: a sum shares it
         return loss.detach()
 
+    def timeline(self) -> list[list]:
+        """The last training step's chunks on this rank: [kind (F, B, W), stage, start ms, end ms], from the
+        step's start."""
+        return [[kind, stage, round(start * 1e3, 2), round(end * 1e3, 2)] for kind, stage, start, end in self._chunks]
+
     def bubble(self) -> Optional[float]:
         """This rank's measured idle fraction over the training steps after the first (None before)."""
         return 1.0 - self._busy_measured / self._wall_measured if self._wall_measured else None
@@ -397,8 +402,7 @@ def bubble_report(pipeline: Pipeline, step: int) -> Optional[dict]:
     of the step (the ranks start a step together: the previous one ended with a collective). Collective; None
     when fewer than two training steps ran (the first is not timed)."""
     gathered = [None] * dist.get_world_size()
-    timeline = [[kind, stage, round(start * 1e3, 2), round(end * 1e3, 2)] for kind, stage, start, end in pipeline._chunks]
-    dist.all_gather_object(gathered, (pipeline.bubble(), timeline))
+    dist.all_gather_object(gathered, (pipeline.bubble(), pipeline.timeline()))
     if any(bubble is None for bubble, _ in gathered):
         return None
     return {"kind": "pipeline", "step": step, "schedule": pipeline.schedule_name, "stages": pipeline.n_stages,
