@@ -118,6 +118,14 @@ command -v "$LAUNCHER" >/dev/null || die "$LAUNCHER not found: set PYTHON_ENV to
 gpus_per_node=${SLURM_GPUS_ON_NODE:-0}
 [[ $LAUNCHER == torchrun || $LAUNCHER == python ]] || die "LAUNCHER=$LAUNCHER is not one of torchrun, python"
 
+# The time limit as Unix seconds: a run asked to stop compares the time left with its last checkpoint write and
+# warns when the signal's lead looks too short (SLURM tells a job nothing of its lead).
+end_time=$(squeue -h -j "$SLURM_JOB_ID" -o %e 2>/dev/null || true)
+if [[ -z ${JOB_END_TIME:-} && $end_time == [0-9]* ]]; then  # not N/A (no limit), nor empty (date would say today)
+  JOB_END_TIME=$(date -d "$end_time" +%s 2>/dev/null || true)
+fi
+export JOB_END_TIME=${JOB_END_TIME:-}
+
 # A requeued job continues its run: training scripts resume from the newest checkpoint, if there is one.
 if [[ $(basename "$1") == train*.py && " $* " != *" --resume"* ]]; then
   set -- "$@" --resume auto

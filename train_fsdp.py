@@ -26,8 +26,8 @@ from utils.data import build_loaders
 from utils.observe.flops import device_peak_flops, mfu, peak_memory_gb, reset_peak_memory, train_flops_per_sample
 from utils.observe.logger import MetricsLogger
 from utils.parallel.distributed import all_reduce_max, all_reduce_mean, cleanup_distributed, init_distributed
-from utils.parallel.fsdp import (apply_fsdp, load_sharded_checkpoint, memory_record, save_sharded_checkpoint,
-                                 sharded_payload)
+from utils.parallel.fsdp import (apply_fsdp, finish_sharded_checkpoint, load_sharded_checkpoint, memory_record,
+                                 save_sharded_checkpoint, sharded_payload)
 from utils.parallel.techniques import apply_ac, apply_compile
 from utils.precision import autocast, make_grad_scaler
 from utils.stopping import StopRequest
@@ -88,7 +88,7 @@ def main():
     def save():
         save_sharded_checkpoint(ckpt_dir, state.step,  # every rank writes its shards
                                 sharded_payload(model, optimizer, scheduler, scaler, state, cfg),
-                                keep=tcfg.keep_checkpoints)
+                                keep=tcfg.keep_checkpoints, asynchronous=tcfg.ckpt_async)
 
     # ------------------------------------------------------------------------------------- Train loop
     model.train()
@@ -149,6 +149,7 @@ def main():
     # --------------------------------------------------------------------------------------- Teardown
     progress.close()
     logger.close()
+    finish_sharded_checkpoint()  # an asynchronous save in flight is on disk before the run says it ended
     log0(stopping.summary(state.step, tcfg.run_dir))
     cleanup_distributed()
     return stopping.exit_code

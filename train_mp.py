@@ -38,8 +38,8 @@ from utils.parallel.context_parallel import apply_cp
 from utils.parallel.distributed import (all_reduce_max, all_reduce_mean, build_mp_mesh, cleanup_distributed,
                                         init_distributed)
 from utils.parallel.domain_parallel import band_loss, field_bands
-from utils.parallel.fsdp import (apply_fsdp, load_sharded_checkpoint, memory_record, save_sharded_checkpoint,
-                                 sharded_payload)
+from utils.parallel.fsdp import (apply_fsdp, finish_sharded_checkpoint, load_sharded_checkpoint, memory_record,
+                                 save_sharded_checkpoint, sharded_payload)
 from utils.parallel.techniques import apply_ac, apply_compile
 from utils.parallel.tensor_parallel import apply_tp
 from utils.precision import autocast, make_grad_scaler
@@ -113,7 +113,7 @@ def main():
     def save():
         save_sharded_checkpoint(ckpt_dir, state.step,  # every rank writes its shards
                                 sharded_payload(model, optimizer, scheduler, scaler, state, cfg),
-                                keep=tcfg.keep_checkpoints)
+                                keep=tcfg.keep_checkpoints, asynchronous=tcfg.ckpt_async)
 
     # ------------------------------------------------------------------------------------- Train loop
     model.train()
@@ -176,6 +176,7 @@ def main():
     # --------------------------------------------------------------------------------------- Teardown
     progress.close()
     logger.close()
+    finish_sharded_checkpoint()  # an asynchronous save in flight is on disk before the run says it ended
     log0(stopping.summary(state.step, tcfg.run_dir))
     cleanup_distributed()
     return stopping.exit_code

@@ -33,7 +33,8 @@ from utils.observe.flops import device_peak_flops, mfu, peak_memory_gb, reset_pe
 from utils.observe.logger import MetricsLogger
 from utils.parallel.distributed import (all_reduce_max, all_reduce_mean, build_pp_mesh, cleanup_distributed,
                                         init_distributed)
-from utils.parallel.fsdp import load_sharded_checkpoint, memory_record, save_sharded_checkpoint
+from utils.parallel.fsdp import (finish_sharded_checkpoint, load_sharded_checkpoint, memory_record,
+                                 save_sharded_checkpoint)
 from utils.parallel.pipeline_parallel import Pipeline, apply_data_parallel, bubble_report
 from utils.parallel.techniques import apply_ac, apply_compile
 from utils.precision import make_grad_scaler
@@ -106,7 +107,7 @@ def main():
     def save():
         save_sharded_checkpoint(ckpt_dir, state.step,  # every rank writes its shards
                                 pipeline.payload(optimizer, scheduler, scaler, state, cfg),
-                                keep=tcfg.keep_checkpoints)
+                                keep=tcfg.keep_checkpoints, asynchronous=tcfg.ckpt_async)
 
     # ------------------------------------------------------------------------------------- Train loop
     pipeline.train()
@@ -172,6 +173,7 @@ def main():
     if bubble is not None:
         logger.log(bubble)
     logger.close()
+    finish_sharded_checkpoint()  # an asynchronous save in flight is on disk before the run says it ended
     log0(stopping.summary(state.step, tcfg.run_dir))
     cleanup_distributed()
     return stopping.exit_code

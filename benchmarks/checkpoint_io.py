@@ -88,26 +88,10 @@ def build(name: str):
     return cfg, model, optimizer, scheduler, scaler
 
 
-def time_writes(write, repeats: int) -> tuple[list[float], Path]:
-    times, path = [], None
-    for step in range(repeats):
-        start = time.perf_counter()
-        path = write(step)
-        times.append(time.perf_counter() - start)
-    return times, path
-
-
-def dd_write(target: Path, nbytes: int, repeats: int) -> list[float]:
-    count = max(1, math.ceil(nbytes / DD_BLOCK))
-    times = []
-    for _ in range(repeats):
-        target.unlink(missing_ok=True)
-        start = time.perf_counter()
-        subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=16M", f"count={count}", "conv=fsync"],
-                       check=True, capture_output=True)
-        times.append(time.perf_counter() - start)
+def dd_write(target: Path, nbytes: int) -> None:
     target.unlink(missing_ok=True)
-    return times
+    subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=16M", f"count={max(1, math.ceil(nbytes / DD_BLOCK))}",
+                    "conv=fsync"], check=True, capture_output=True)
 
 
 def row(size: str, kind: str, nbytes: int, times: list[float], params: int) -> dict:
@@ -120,25 +104,33 @@ def measure(size: str, root: Path, repeats: int) -> list[dict]:
     cfg, model, optimizer, scheduler, scaler = build(size)
     params = sum(p.numel() for p in model.parameters())
     print(f"{size}: {params / 1e6:.1f}M parameters, {repeats} writes of each kind ...", flush=True)
-    rows = []
-
-    single_dir = root / f"{size}_single"
-    times, path = time_writes(lambda step: save_checkpoint(single_dir, step, checkpoint_payload(
-        model, optimizer, scheduler, scaler, TrainState(), cfg), keep=1), repeats)
-    rows.append(row(size, "single (train.py)", disk_bytes(path), times, params))
-    shutil.rmtree(single_dir)
-
-    dcp_dir = root / f"{size}_dcp"
-    times, path = time_writes(lambda step: save_sharded_checkpoint(dcp_dir, step, sharded_payload(
-        model, optimizer, scheduler, scaler, TrainState(), cfg), keep=1), repeats)
-    rows.append(row(size, "dcp (train_fsdp.py)", disk_bytes(path), times, params))
-    shutil.rmtree(dcp_dir)
-
-    nbytes = max(r["bytes"] for r in rows)
-    rows.append(row(size, "dd conv=fsync", math.ceil(nbytes / DD_BLOCK) * DD_BLOCK,
-                    dd_write(root / f"{size}.dd", nbytes, repeats), params))
+    single_dir, dcp_dir, dd_file = root / f"{size}_single", root / f"{size}_dcp", root / f"{size}.dd"
+    writes = {  # each previous write is removed before the next one starts (outside the timing), as dd's is
+        "single (train.py)": lambda step: save_checkpoint(single_dir, step, checkpoint_payload(
+            model, optimizer, scheduler, scaler, TrainState(), cfg), keep=0),
+        "dcp (train_fsdp.py)": lambda step: save_sharded_checkpoint(dcp_dir, step, sharded_payload(
+            model, optimizer, scheduler, scaler, TrainState(), cfg), keep=0),
+    }
+    times: dict[str, list[float]] = {kind: [] for kind in [*writes, "dd conv=fsync"]}
+    nbytes = {}
+    for step in range(repeats):  # the kinds alternate, so that a disk that speeds up or slows down favours none
+        for kind, write in writes.items():
+            start = time.perf_counter()
+            path = write(step)
+            times[kind].append(time.perf_counter() - start)
+            nbytes[kind] = disk_bytes(path)
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        dd_bytes = math.ceil(max(nbytes.values()) / DD_BLOCK) * DD_BLOCK
+        start = time.perf_counter()
+        dd_write(dd_file, dd_bytes)
+        times["dd conv=fsync"].append(time.perf_counter() - start)
+        dd_file.unlink()
+    nbytes["dd conv=fsync"] = dd_bytes
+    rows = [row(size, kind, nbytes[kind], times[kind], params) for kind in times]
     for r in rows:
         r["vs_dd"] = r["gb_per_s"] / rows[-1]["gb_per_s"]
+    shutil.rmtree(single_dir)
+    shutil.rmtree(dcp_dir)
     return rows
 
 

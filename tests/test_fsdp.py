@@ -9,6 +9,7 @@ a one-rank process group.
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from tests.conftest import TINY_MODEL, read_metrics, resume_from, run_script, tiny_args, weights_at
 from tests.test_ddp import assert_same_weights, launch_beside_reference, train_losses
@@ -36,7 +37,7 @@ def runs(tiny_data, reference_run, tmp_path_factory):
     return launch_beside_reference("train_fsdp.py", "fsdp", tiny_data, reference_run, tmp_path_factory)
 
 
-def test_two_ranks_equal_one_process(runs):
+def test_two_ranks_equal_one_process(runs, tiny_data):
     single, fsdp = runs["single"], runs["fsdp"]
     torch.testing.assert_close(train_losses(fsdp), train_losses(single), rtol=1e-4, atol=1e-5)
     for step in (3, 10):
@@ -47,6 +48,8 @@ def test_two_ranks_equal_one_process(runs):
     memory = next(r for r in read_metrics(fsdp) if r["kind"] == "memory")
     assert memory["shards"] == 2 and memory["vs_ddp"] == pytest.approx(0.5, abs=0.01)
     assert memory["total_mb"] == pytest.approx(memory["params_mb"] * 4)
+    # The estimate plan.py ranks layouts by: the same parameters + gradients + AdamW state per rank.
+    assert_within(fsdp, tiny_args(tiny_data, fsdp, *STEPS), 2)
 
 
 def test_export_loads_into_the_plain_model_and_train_py_state(runs, tiny_data):
@@ -208,6 +211,22 @@ def test_checkpoints_are_complete_or_ignored(one_rank, tmp_path):
     save_sharded_checkpoint(ckpt_dir, 4, {"w": torch.zeros(4)}, keep=0)
     assert not (ckpt_dir / ".tmp-step_00000009").exists()
     assert latest_sharded_checkpoint(ckpt_dir).name == "step_00000004"
+
+
+def test_an_asynchronous_save_holds_the_step_it_names(one_rank, tmp_path):
+    from utils.parallel.fsdp import finish_sharded_checkpoint, latest_sharded_checkpoint, save_sharded_checkpoint
+
+    ckpt_dir, weights = tmp_path / "checkpoints", torch.arange(100_000, dtype=torch.float32)
+    save_sharded_checkpoint(ckpt_dir, 1, {"w": weights}, asynchronous=True)
+    weights.mul_(-1)  # the next steps change the parameters in place while the write goes on
+    save_sharded_checkpoint(ckpt_dir, 2, {"w": weights}, asynchronous=True)  # waits for step 1, puts it in place
+    assert latest_sharded_checkpoint(ckpt_dir).name == "step_00000001"
+    weights.add_(1)
+    assert finish_sharded_checkpoint() == ckpt_dir / "step_00000002" and finish_sharded_checkpoint() is None
+    for step, expected in ((1, torch.arange(100_000.0)), (2, -torch.arange(100_000.0))):
+        loaded = {"w": torch.empty(100_000)}
+        dcp.load(loaded, checkpoint_id=ckpt_dir / f"step_{step:08d}")
+        assert torch.equal(loaded["w"], expected), step
 
 
 def test_single_file_checkpoints_and_bad_export_are_one_line_errors(tmp_path, capsys):

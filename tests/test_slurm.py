@@ -19,6 +19,7 @@ from tests import slurm_cluster as cluster_module
 from tests.slurm_cluster import skip_or_fail, slurm_cluster  # noqa: F401  (slurm_cluster is a fixture)
 from tests.test_comm_check import assert_complete_correct_table
 from tests.test_ddp import assert_same_weights, train_losses
+from tests.test_fsdp import exported
 
 # The emulated nodes have no GPU: ask for none, which makes submit_multinode.sh fall back to gloo on CPU.
 CPU_NODES = ["--gpus-per-node=0"]
@@ -202,21 +203,27 @@ def submit_and_signal_usr1(slurm_cluster, script: str, run: Path, args: list[str
     return state, Path(output).read_text(errors="replace")
 
 
-def test_a_job_stopped_before_its_time_limit_requeues_itself_and_ends_as_one_run(slurm_cluster, tiny_data, tmp_path):
-    # 2 nodes x 2 ranks of train_ddp.py: SIGUSR1 -> every rank checkpoints the same step and stops -> the job
-    # requeues itself -> the same job continues from that checkpoint (--resume auto, added by the job script)
-    # to the weights of an uninterrupted train.py run.
+@pytest.mark.parametrize("script, extra", [("train_ddp.py", ()), ("train_fsdp.py", ("--ckpt_async", "true"))])
+def test_a_job_stopped_before_its_time_limit_requeues_itself_and_ends_as_one_run(slurm_cluster, tiny_data, tmp_path,
+                                                                                  script, extra):
+    # 2 nodes x 2 ranks: SIGUSR1 -> every rank checkpoints the same step and stops -> the job requeues itself ->
+    # the same job continues from that checkpoint (--resume auto, added by the job script) to the weights of an
+    # uninterrupted train.py run. train_fsdp.py writes its DCP checkpoints in the background (--ckpt_async).
     reference, run = tmp_path / "reference", tmp_path / "run"
     run_script("train.py", *tiny_args(tiny_data, reference, *LONG_RUN), in_process=True)
     state, output = submit_and_signal_usr1(slurm_cluster, "submit_multinode.sh", run,
-                                           ["train_ddp.py", *tiny_args(tiny_data, run, *LONG_RUN)], job_env())
+                                           [script, *tiny_args(tiny_data, run, *LONG_RUN, *extra)], job_env())
     assert state == "COMPLETED", output[-6000:] + slurm_cluster.log_tail(40)
     stop = re.search(r"stopped at step (\d+) by SIGTERM: checkpoint (\S+);", output)
     assert stop and "SIGUSR1 received" in output, output[-6000:]
+    # The job script told the run its time limit (30 minutes, submit_multinode.sh's #SBATCH --time).
+    left = re.search(r"; the stop took [\d.]+ s of the (\d+) s left before the job's time limit", output)
+    assert left and 1500 < int(left[1]) <= 1800, output[-6000:]
     assert "requeued (segment 2)" in output, output[-6000:]
     assert f"resumed from {stop.group(2)} at step {stop.group(1)}" in output, output[-6000:]
     assert "done: 40 steps" in output, output[-6000:]
-    assert_same_weights(weights_at(run, 40), weights_at(reference, 40))
+    weights = exported(run, 40)["model"] if script == "train_fsdp.py" else weights_at(run, 40)
+    assert_same_weights(weights, weights_at(reference, 40))
     torch.testing.assert_close(train_losses(run), train_losses(reference), rtol=1e-4, atol=1e-5)
 
 

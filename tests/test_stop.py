@@ -27,7 +27,7 @@ from tests.conftest import (REFERENCE_STEPS, REPO, read_metrics, resume_from, ru
 from tests.test_ddp import assert_same_weights, rank_pid, train_losses
 from tests.test_fsdp import exported
 from tests.test_train import check_error
-from utils.stopping import EXIT_STOPPED
+from utils.stopping import END_TIME_VARIABLE, EXIT_STOPPED
 
 STOPPED = re.compile(r"stopped at step (\d+) by (SIGTERM|SIGUSR1): checkpoint (\S+); continue with the same "
                      r"command and --resume auto \(exit code 75\)")
@@ -48,14 +48,31 @@ def assert_identical(a: dict, b: dict) -> None:
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "weights differ"
 
 
-def test_train_py_stops_on_sigterm_and_resumes_to_identical_weights(tiny_data, reference_run, tmp_path):
+def test_train_py_stops_on_sigterm_and_resumes_to_identical_weights(tiny_data, reference_run, tmp_path, monkeypatch):
     run = tmp_path / "run"
     args = tiny_args(tiny_data, run, *REFERENCE_STEPS)
-    step, checkpoint = stopped_at(stop_mid_run(["train.py", *args], run), "SIGTERM")
+    monkeypatch.setenv(END_TIME_VARIABLE, str(int(time.time()) + 3600))  # as the job scripts export it
+    stopped = stop_mid_run(["train.py", *args], run)
+    step, checkpoint = stopped_at(stopped, "SIGTERM")
+    took = re.search(r"; the stop took ([\d.]+) s of the (\d+) s left before the job's time limit\n", stopped.stdout)
+    assert took and float(took[1]) < 60 and 3500 < int(took[2]) <= 3600, stopped.stdout[-2000:]
+    assert "warning" not in stopped.stdout
     resumed = run_script("train.py", *args, "--resume", "auto", in_process=True)
     assert f"resumed from {checkpoint} at step {step}" in resumed.stdout
     assert_identical(weights_at(run, 10), weights_at(reference_run, 10))
     assert train_losses(run) == train_losses(reference_run)  # every step's loss, both segments
+
+
+def test_a_lead_shorter_than_a_checkpoint_write_is_named(tiny_data, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    monkeypatch.setenv(END_TIME_VARIABLE, str(int(time.time()) - 1))  # the limit is upon it: no lead is enough
+    stopped = stop_mid_run(["train.py", *tiny_args(tiny_data, run, "--max_steps", "10", "--ckpt_every", "1")], run)
+    stopped_at(stopped, "SIGTERM")  # it still stops with its checkpoint, which here had the time
+    warning = re.search(r"warning: 0 s are left before the job's time limit, and this run's last checkpoint took "
+                        r"[\d.]+ s to write: .*sbatch --signal=B:USR1@(\d+)\n", stopped.stdout)
+    assert warning and int(warning[1]) >= 60, stopped.stdout[-2000:]
+    assert re.search(r"left before the job's time limit: ask for a longer lead next time \(sbatch --signal=B:USR1@\d+\)",
+                     stopped.stdout)
 
 
 def test_a_signal_to_one_ddp_rank_stops_both_and_resumes_exactly(tiny_data, ddp_reference_run, tmp_path):
@@ -69,9 +86,10 @@ def test_a_signal_to_one_ddp_rank_stops_both_and_resumes_exactly(tiny_data, ddp_
 
 def test_fsdp_stops_and_resumes_to_the_reference_weights(tiny_data, reference_run, tmp_path):
     # Checkpoints by the clock at every step besides: DCP's save is collective, so rank 0's clock must
-    # decide for both ranks (a disagreement would hang).
+    # decide for both ranks (a disagreement would hang). They are written asynchronously, each while the next
+    # step runs (its collectives and the save's own, in a background thread, side by side).
     run = tmp_path / "run"
-    args = tiny_args(tiny_data, run, *REFERENCE_STEPS, "--ckpt_every_minutes", "1e-9")
+    args = tiny_args(tiny_data, run, *REFERENCE_STEPS, "--ckpt_every_minutes", "1e-9", "--ckpt_async", "true")
     step, checkpoint = stopped_at(stop_mid_run(["train_fsdp.py", *args], run, ranks=2, to_rank=1), "SIGTERM")
     assert checkpoint.is_dir()  # a DCP folder, complete
     assert len(list((run / "checkpoints").glob("step_*"))) == step  # one by the clock at each step

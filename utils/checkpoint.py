@@ -29,6 +29,7 @@ import random
 import re
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -343,6 +344,7 @@ def save_checkpoint(ckpt_dir, step: int, state: dict, keep: int = 2) -> Path:
     """
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
+    started = time.monotonic()
     _check_weights_only_types(state, "state")
     ckpt_dir = ensure_writable_dir(ckpt_dir)
     _remove_stale_temp_files(ckpt_dir)
@@ -369,7 +371,23 @@ def save_checkpoint(ckpt_dir, step: int, state: dict, keep: int = 2) -> Path:
         older = [path for _, path in checkpoints_by_step(ckpt_dir) if path != final_path]
         for path in older[: max(0, len(older) - (keep - 1))]:
             path.unlink(missing_ok=True)
+    note_write_time(time.monotonic() - started)
     return final_path
+
+
+_last_write_s: Optional[float] = None
+
+
+def note_write_time(seconds: float) -> None:
+    """Record how long this process's last checkpoint took to write (both savers call it)."""
+    global _last_write_s
+    _last_write_s = seconds
+
+
+def last_write_seconds() -> Optional[float]:
+    """Seconds the last checkpoint of this process took to write, None before the first: a stop request compares
+    it with the time left before the job's limit (utils.stopping)."""
+    return _last_write_s
 
 
 def latest_checkpoint(ckpt_dir) -> Optional[Path]:

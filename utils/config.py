@@ -194,6 +194,9 @@ class TrainConfig:
     ckpt_every_minutes: float = 0.0
     """Also checkpoint once this many minutes of wall time have passed since the last time-based one (0: off):
     a step count does not know the clock. Rank 0's clock decides, for every rank at the same step."""
+    ckpt_async: bool = False
+    """DCP checkpoints (train_fsdp/mp/pp.py): copy this step's shards to CPU memory and write them in the background
+    while training goes on (dcp.async_save); the next save, or the run's end, waits for the write."""
     keep_checkpoints: int = 2
     """Most recent checkpoints kept on disk."""
     run_dir: str = "runs/default"
@@ -545,6 +548,7 @@ APPLIED_BY: dict[str, tuple[str, ...]] = {
     "cp": (_MP, _ESTIMATE),
     **dict.fromkeys(["pp", "pp_schedule", "pp_microbatches", "pp_split", "pp_dp"], (_PP,)),
     "dist_timeout_s": (_DDP, _FSDP, _MP, _PP),
+    "ckpt_async": (_FSDP, _MP, _PP),
     **dict.fromkeys([f.name for f in dataclasses.fields(ProfileConfig)], ("train_with_profiling.py",)),
 }
 CHECKED_SCRIPTS = {"train.py", "train_with_profiling.py", _DDP, _FSDP, _MP, _PP, _ESTIMATE}
@@ -564,8 +568,7 @@ def refuse_unapplied(cfg: Config, script: str) -> None:
 
 
 def lr_scale(rule: str, batch_size: int, base_batch_size: int) -> float:
-    """The factor lr_scaling ``rule`` applies to lr at global ``batch_size`` (a pure function: benchmarks and tests
-    compute the lr of a run without building it)."""
+    """The factor lr_scaling ``rule`` applies to lr at global ``batch_size`` (pure: benchmarks and tests call it)."""
     ratio = batch_size / base_batch_size
     return {"none": 1.0, "sqrt": math.sqrt(ratio), "linear": ratio}[rule]
 
@@ -640,10 +643,6 @@ def parse_config(description: str = "", argv: Optional[list[str]] = None, extra_
     except ConfigError as e:
         parser.error(str(e))
     return (cfg, args) if extra_args is not None else cfg
-
-
-def dump_config(cfg: Config) -> str:
-    return json.dumps(cfg.to_dict(), sort_keys=False)
 
 
 if __name__ == "__main__":  # python -m utils.config --config NAME [overrides]: print the merged config

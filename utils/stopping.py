@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import faulthandler
+import math
+import os
 import re
 import signal
 import time
@@ -24,12 +26,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from utils.checkpoint import newest_complete_checkpoint
+from utils.checkpoint import last_write_seconds, newest_complete_checkpoint
 
 EXIT_STOPPED = 75
 """Exit code of a run that stopped on request (SIGTERM, SIGUSR1) after checkpointing the step it was on:
 BSD's EX_TEMPFAIL, "try again later". The job scripts requeue on it; --resume (or --resume auto) continues."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+END_TIME_VARIABLE = "JOB_END_TIME"
+"""The job's time limit as Unix seconds, exported to the run by the job scripts (submit_multinode.sh): a stop
+request compares the time left with the run's last checkpoint write, as SLURM tells a job nothing of its lead."""
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_WORDS = ("Timed out waiting", "timed out", "Watchdog caught collective operation timeout")
 """What gloo's and NCCL's errors say when a collective outlived the process group's timeout."""
@@ -50,6 +55,8 @@ class StopRequest:
     def __init__(self, cfg):
         self.signal: Optional[str] = None  # the agreed signal's name, once a rank got one
         self._received = 0
+        self._stop_at: Optional[float] = None  # monotonic time at which the ranks agreed to stop
+        self._left_s: Optional[float] = None  # seconds then left before the job's time limit, if known
         self._interval_s, self._last_due = 60.0 * cfg.train.ckpt_every_minutes, time.monotonic()
         for signum in STOP_SIGNALS:
             _previous_handlers.setdefault(signum, signal.signal(signum, self._note))
@@ -79,9 +86,23 @@ class StopRequest:
             received, due = int(flags[0]), bool(flags[1])
         if due:
             self._last_due = time.monotonic()
-        if received:
+        if received and not self.signal:
             self.signal = signal.Signals(received).name
+            self._stop_at = time.monotonic()
+            self._warn_if_lead_is_short()
         return bool(received), due
+
+    def _warn_if_lead_is_short(self) -> None:
+        """Rank 0 says so when the time left before the job's limit may not hold the stop's checkpoint."""
+        end, written_s = os.environ.get(END_TIME_VARIABLE, ""), last_write_seconds()
+        if not end.isdigit():
+            return
+        self._left_s = max(0.0, int(end) - time.time())
+        if written_s is not None and written_s > self._left_s / 2 and _is_rank0():
+            print(f"warning: {self._left_s:.0f} s are left before the job's time limit, and this run's last "
+                  f"checkpoint took {written_s:.1f} s to write: this one may not finish (the run would resume from "
+                  f"the one before); ask for a longer lead, e.g. sbatch --signal=B:USR1@{_lead_for(written_s)}",
+                  flush=True)
 
     @property
     def exit_code(self) -> int:
@@ -99,8 +120,24 @@ class StopRequest:
         if not self.signal:
             return f"done: {step} steps; outputs in {run_dir}"
         checkpoint = newest_complete_checkpoint(f"{run_dir}/checkpoints")
-        return (f"stopped at step {step} by {self.signal}: checkpoint {checkpoint}; continue with the same "
+        line = (f"stopped at step {step} by {self.signal}: checkpoint {checkpoint}; continue with the same "
                 f"command and --resume auto (exit code {EXIT_STOPPED})")
+        if self._left_s is not None:  # what a user needs to choose the signal's lead
+            took = time.monotonic() - self._stop_at
+            line += f"; the stop took {took:.1f} s of the {self._left_s:.0f} s left before the job's time limit"
+            if took > self._left_s / 2:
+                line += f": ask for a longer lead next time (sbatch --signal=B:USR1@{_lead_for(took)})"
+        return line
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _lead_for(write_s: float) -> int:
+    """A signal lead, in seconds, with room for a checkpoint write that took ``write_s``: writes of the same
+    checkpoint vary by up to 3x (benchmarks/README.md), and the stop must also reach the step boundary."""
+    return 60 * math.ceil((3 * write_s + 60) / 60)
 
 
 _previous_handlers: dict = {}  # the signal handlers a StopRequest replaced, restored by stop_watching()

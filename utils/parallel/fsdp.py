@@ -24,6 +24,7 @@ import math
 import os
 import shutil
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
@@ -40,7 +41,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from utils.checkpoint import (DCP_METADATA, TEMP_PREFIX, CheckpointError, StorageError, TrainState, capture_rng_state,
                               check_model_settings, checkpoint_to_resume, checkpoints_by_step, ensure_writable_dir,
-                              fsync_dir, replaced_atomically, restore_rng_state, write_failure)
+                              fsync_dir, note_write_time, replaced_atomically, restore_rng_state, write_failure)
 from utils.config import ConfigError
 from utils.parallel.distributed import barrier, ensure_process_group
 from utils.parallel.plans import ac_units
@@ -212,13 +213,21 @@ def latest_sharded_checkpoint(ckpt_dir) -> Optional[Path]:
     return checkpoint_to_resume(ckpt_dir, "auto", sharded=True)
 
 
-def save_sharded_checkpoint(ckpt_dir, step: int, payload: dict, keep: int = 2) -> Path:
+def save_sharded_checkpoint(ckpt_dir, step: int, payload: dict, keep: int = 2, asynchronous: bool = False) -> Path:
     """Every rank writes its shards of ``payload`` to ``ckpt_dir/step_{step:08d}/``; keep the ``keep`` newest.
 
     Collective. DCP writes into a hidden folder, which rank 0 renames once all ranks have finished:
     a job killed mid-save leaves the previous checkpoint as the latest (and a hidden folder that the
     next save removes). ``keep < 1`` keeps every checkpoint.
+
+    ``asynchronous``: ``dcp.async_save`` copies the shards to CPU memory now (so the checkpoint holds this
+    step's values, whatever the next steps do to the parameters) and writes them in a background thread
+    while training goes on; the folder is renamed by the next save or by :func:`finish_sharded_checkpoint`,
+    which the scripts call before they report the run's end. At most one save is in flight.
     """
+    global _pending
+    finish_sharded_checkpoint()
+    started = time.monotonic()
     ckpt_dir = Path(ckpt_dir)
     final = ckpt_dir / f"step_{step:08d}"
     temp = ckpt_dir / f"{TEMP_PREFIX}{step:08d}"
@@ -228,28 +237,76 @@ def save_sharded_checkpoint(ckpt_dir, step: int, payload: dict, keep: int = 2) -
             shutil.rmtree(stale, ignore_errors=True)
     barrier()  # nobody writes into a folder that rank 0 is still clearing
     try:
+        if asynchronous:
+            future = dcp.async_save(payload, checkpoint_id=temp, process_group=_background_group())
+            done_at: list[float] = []  # when the background write ended: its time, without the steps beside it
+            future.add_done_callback(lambda _: done_at.append(time.monotonic()))
+            _pending = (future, temp, final, keep, started, done_at)
+            return final
         dcp.save(payload, checkpoint_id=temp)
-    except (OSError, CheckpointException) as error:  # DCP raises on every rank if any rank failed
-        if _is_main():
-            shutil.rmtree(temp, ignore_errors=True)
-        # Every rank raises the same line; utils.training.run_cli prints rank 0's.
-        failure = write_failure(error, "checkpoint", final, run_dir=ckpt_dir.parent, ckpt_dir=ckpt_dir)
-        if failure is not None:
-            raise failure from None
-        raise CheckpointError(f"could not write checkpoint {final} ({_first_line(error)}): choose another "
-                              "--run_dir; the previous checkpoint is intact") from None
+    except (OSError, CheckpointException) as error:
+        raise _write_failure(error, temp, final) from None
+    _publish(temp, final, keep)
+    note_write_time(time.monotonic() - started)
+    return final
+
+
+_pending: Optional[tuple] = None  # (future, hidden folder, final folder, keep, start, end) of a save in flight
+_checkpoint_groups: dict = {}  # default process group -> the gloo group its asynchronous saves use
+
+
+def _background_group():
+    """A gloo group of its own for DCP's background collectives: sharing the training's group with a second
+    thread would interleave two streams of collectives (and DCP needs a CPU backend beside NCCL anyway)."""
+    if not dist.is_initialized():
+        return None
+    world = dist.group.WORLD  # a new default group (a test's, a restarted worker's) gets a new twin
+    if world not in _checkpoint_groups:
+        _checkpoint_groups.clear()
+        _checkpoint_groups[world] = dist.new_group(backend="gloo")
+    return _checkpoint_groups[world]
+
+
+def finish_sharded_checkpoint() -> Optional[Path]:
+    """Wait for the asynchronous save in flight, if any, and put its folder in place (collective); its path."""
+    global _pending
+    if _pending is None:
+        return None
+    (future, temp, final, keep, started, done_at), _pending = _pending, None
+    try:
+        future.result()
+    except (OSError, CheckpointException) as error:
+        raise _write_failure(error, temp, final) from None
+    note_write_time((done_at[0] if done_at else time.monotonic()) - started)  # the callback may run just after
+    _publish(temp, final, keep)
+    return final
+
+
+def _write_failure(error: BaseException, temp: Path, final: Path) -> CheckpointError:
+    """The one line for a failed write (DCP raises on every rank if any rank failed); the hidden folder removed."""
+    if _is_main():
+        shutil.rmtree(temp, ignore_errors=True)
+    # Every rank raises the same line; utils.training.run_cli prints rank 0's.
+    failure = write_failure(error, "checkpoint", final, run_dir=final.parent.parent, ckpt_dir=final.parent)
+    if failure is not None:
+        return failure
+    return CheckpointError(f"could not write checkpoint {final} ({_first_line(error)}): choose another "
+                           "--run_dir; the previous checkpoint is intact")
+
+
+def _publish(temp: Path, final: Path, keep: int) -> None:
+    """Rank 0 renames the hidden folder once every rank's shards are on disk, and prunes older checkpoints."""
     barrier()  # every rank's shards are on disk
     if _is_main():
         if final.exists():  # a step saved by an earlier run in the same folder
             shutil.rmtree(final)
         os.replace(temp, final)
-        fsync_dir(ckpt_dir)
+        fsync_dir(final.parent)
         if keep >= 1:
-            older = [path for _, path in checkpoints_by_step(ckpt_dir, sharded=True) if path != final]
+            older = [path for _, path in checkpoints_by_step(final.parent, sharded=True) if path != final]
             for path in older[: max(0, len(older) - (keep - 1))]:
                 shutil.rmtree(path, ignore_errors=True)
     barrier()  # nobody runs ahead (or exits) before the checkpoint is in place
-    return final
 
 
 def load_sharded_checkpoint(path, model, optimizer, scheduler, scaler, cfg=None) -> TrainState:
