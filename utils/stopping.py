@@ -3,7 +3,7 @@
 - :class:`StopRequest`: SIGTERM (scancel, preemption, a node shutting down) or SIGUSR1 (``sbatch --signal``,
   sent a chosen time before the job's limit) ends the run at the next step boundary, on every rank after
   the same step, with that step's checkpoint and exit code :data:`EXIT_STOPPED`; ``ckpt_every_minutes``
-  checkpoints by the wall clock; and a step that does not end within ``dist_timeout_s`` leaves each
+  checkpoints by the wall clock; and a step that does not end within 0.8 ``dist_timeout_s`` leaves each
   rank's Python stack in ``<run_dir>/stacks/rank<r>.txt``.
 - :func:`describe_timeout`: a collective that timed out, as one line naming it and the ranks that did not
   arrive (utils.training.run_cli prints it).
@@ -36,6 +36,8 @@ END_TIME_VARIABLE = "JOB_END_TIME"
 """The job's time limit as Unix seconds, exported to the run by the job scripts (submit_multinode.sh): a stop
 request compares the time left with the run's last checkpoint write, as SLURM tells a job nothing of its lead."""
 REPO = Path(__file__).resolve().parents[1]
+HANG_STACK_FRACTION = 0.8
+"""The step watchdog writes the stacks once a step has lasted this fraction of dist_timeout_s."""
 TIMEOUT_WORDS = ("Timed out waiting", "timed out", "Watchdog caught collective operation timeout")
 """What gloo's and NCCL's errors say when a collective outlived the process group's timeout."""
 
@@ -48,7 +50,7 @@ class StopRequest:
     clock) over a gloo group on the CPU (over a CUDA job's NCCL group it would cost a host sync each
     step), so a signal that reached one rank stops them all together and none is left waiting in a
     collective. Each call also re-arms a watchdog (``faulthandler``) that writes this rank's Python stack
-    if the next step boundary does not come within ``dist_timeout_s``: the stack of a rank that hangs,
+    if the next step boundary does not come within 0.8 ``dist_timeout_s``: the stack of a rank that hangs,
     and of those that wait for it.
     """
 
@@ -68,7 +70,8 @@ class StopRequest:
         self._stacks = Path(cfg.train.run_dir) / "stacks" / f"rank{rank}.txt"
         self._stacks.parent.mkdir(parents=True, exist_ok=True)
         self._stack_file = open(self._stacks, "w")  # faulthandler writes to an open file, from a signal-safe thread
-        self._hang_after_s = cfg.dist.dist_timeout_s
+        # Before the collective's own timeout, which ends the rank (and cancels this) without a stack otherwise.
+        self._hang_after_s = HANG_STACK_FRACTION * cfg.dist.dist_timeout_s
         faulthandler.dump_traceback_later(self._hang_after_s, file=self._stack_file)
 
     def _note(self, signum, _frame) -> None:
