@@ -126,6 +126,21 @@ CPU_RUN = {
     "--seed 0 --train-years 2008 2010 --valid-years --split valid_1=2015":
         "python datasets/make_synthetic_era5.py --out datasets/era5 --samples-per-year 4 --height 19 --width 36 "
         "--seed 0 --train-years 2008 --valid-years --split valid_1=2015",
+    # datasets/README.md, "Your own data": cfgrib's ERA5 sample (make test fetches it: make real-data), converted
+    # into the scratch copy's runs/ rather than through its link to the repository's datasets/real
+    "python datasets/convert.py datasets/real/era5-levels-members.grib --out datasets/real/era5_sample "
+    "--members 0-7":
+        "python datasets/convert.py datasets/real/era5-levels-members.grib --out runs/era5_sample --members 0-7 --quiet",
+    "python datasets/convert.py datasets/real/era5-levels-members.grib --out datasets/real/era5_sample "
+    "--members 8-9 --split valid=2017":
+        "python datasets/convert.py datasets/real/era5-levels-members.grib --out runs/era5_sample --members 8-9 "
+        "--split valid=2017 --quiet",
+    "python datasets/check_data.py --config quickstart --data_dir datasets/real/era5_sample --in_chans 4 "
+    "--channel_names '[]' --mean '[]' --std '[]'": "... --data_dir runs/era5_sample",
+    "python train.py --config quickstart --data_dir datasets/real/era5_sample --in_chans 4 --channel_names '[]' "
+    "--mean '[]' --std '[]' --loss_space normalized --batch_size 4 --lr_gamma 0.98 --max_steps 600 --val_every 150 "
+    "--log_every 150 --run_dir runs/era5_sample":
+        "... --data_dir runs/era5_sample --max_steps 2 --val_every 2 --log_every 1 --run_dir runs/era5_sample_run",
     "python benchmarks/bench_data.py datasets/synthetic_small --num-workers 0 2":
         "... --batches 2 --repeats 1 --crop-size 32 --batch-size 2",
     "python benchmarks/bench_data.py --synthetic 16 --num-workers 4":

@@ -11,7 +11,8 @@ row is dropped (721 -> 720, 361 -> 360), as SuperBench and NERSC do, so whole fi
 
 - task "sr": ``(lr, hr)``; hr is a ``crop_size`` crop (or the whole 720 x W field when
   ``crop_size`` is 0) and lr its bicubic downsampling by ``upscale`` (antialias off, as SuperBench).
-- task "forecast": ``(x_t, x_t+lead)``, the same crop of two samples ``lead`` steps apart in one file.
+- task "forecast": ``(x_t, x_t+lead)``, the same crop of two samples ``lead`` steps apart in one file and in one
+  run of consecutive times (a file may record gaps in time: attribute ``segment_starts``, datasets/convert.py).
 
 A crop reads only its own hyperslab from disk (3 x 128 x 128 floats, 196 KB) instead of the whole
 day (3 x 721 x 1440, 12.5 MB) that SuperBench reads and then crops. Crop positions are a hash of
@@ -50,6 +51,9 @@ CHANNEL_NAMES = ("kinetic energy 10 m", "temperature 2 m", "total column water v
 CHANNEL_UNITS = ("m2 s-2", "K", "kg m-2")
 FIELDS_KEY = "fields"
 NAMES_ATTR = "channels"  # optional attribute of ``fields``: the channel names (the synthetic files have it)
+# Optional attribute of ``fields``: the sample indices where a run of consecutive time steps starts (0 first).
+# datasets/convert.py records it where the source has a gap in time; forecast pairs never span two runs.
+SEGMENTS_ATTR = "segment_starts"
 STATS_DIR = "stats"  # NERSC's layout: <data_dir>/stats/global_means.npy, global_stds.npy, time_means.npy
 STATS_COMMAND = "python datasets/compute_stats.py --data_dir {root}"
 TASKS = ("sr", "forecast")
@@ -77,6 +81,7 @@ class YearFile:
     width: int
     channels: int
     names: Optional[tuple[str, ...]] = None  # the file's channel names, if it records them
+    segments: Optional[tuple[int, ...]] = None  # first sample of each run of consecutive times, if recorded
 
 
 def _describe(path: Path) -> YearFile:
@@ -92,6 +97,7 @@ def _describe(path: Path) -> YearFile:
             raise DataError(f"{path}: '{FIELDS_KEY}' is a group, not a dataset; expected an array (samples, channels, lat, lon)")
         shape, dtype = fields.shape, fields.dtype
         names = fields.attrs.get(NAMES_ATTR)
+        segments = fields.attrs.get(SEGMENTS_ATTR)
     expected = "expected (samples, channels, lat, lon) as SuperBench's and NERSC's ERA5"
     if len(shape) != 4:
         raise DataError(f"{path}: '{FIELDS_KEY}' has shape {shape} ({len(shape)} dimensions); {expected}")
@@ -103,7 +109,24 @@ def _describe(path: Path) -> YearFile:
         names = tuple(n.decode() if isinstance(n, bytes) else str(n) for n in np.atleast_1d(names))
         if len(names) != shape[1]:
             names = None  # an attribute that does not describe the channels is ignored
-    return YearFile(path, shape[0], shape[2], shape[3], shape[1], names)
+    if segments is not None:
+        segments = tuple(int(s) for s in np.atleast_1d(segments))
+        if not segments or segments[0] != 0 or any(b <= a for a, b in zip(segments, segments[1:])) \
+                or segments[-1] >= shape[0]:
+            # A wrong record would let forecast pairs span a gap: refuse it rather than ignore it.
+            raise DataError(f"{path}: attribute '{SEGMENTS_ATTR}' of '{FIELDS_KEY}' is {list(segments)}; expected "
+                            f"increasing sample indices from 0, below {shape[0]}: convert the file again")
+    return YearFile(path, shape[0], shape[2], shape[3], shape[1], names, segments)
+
+
+def pair_starts(file: YearFile, lead: int) -> Optional[np.ndarray]:
+    """The samples t of a file whose t + lead lies in the same run of consecutive times, or None when the file
+    records no gap (then every t < samples - lead)."""
+    if lead == 0 or not file.segments or len(file.segments) == 1:
+        return None
+    bounds = [*file.segments, file.days]
+    runs = [np.arange(start, stop - lead) for start, stop in zip(bounds, bounds[1:]) if stop - start > lead]
+    return np.concatenate(runs) if runs else np.zeros(0, dtype=np.int64)
 
 
 def check_channels(file: YearFile, in_chans: int) -> None:
@@ -220,13 +243,16 @@ class ERA5Dataset(LazyH5, Dataset):
             self.bands.bounds(self.sample_rows // upscale)  # a field too small for cp bands: say so now, not in a worker
         self.patches_per_day = n_patches if crop_size else 1
         self.lead = lead if task == "forecast" else 0  # a forecast pair needs sample t+lead in the same file
-        counts = [max(f.days - self.lead, 0) for f in self.files]
+        self._starts = [pair_starts(f, self.lead) for f in self.files]  # None: no gap recorded in that file
+        counts = [max(f.days - self.lead, 0) if s is None else len(s) for f, s in zip(self.files, self._starts)]
         self._first_day = list(itertools.accumulate([0] + counts))
         self.days = self._first_day[-1]
         if self.days == 0:
             longest = max(f.days for f in self.files)
-            raise DataError(f"{self.split_dir}: lead {lead} needs more than {lead} samples in a file, the longest "
-                            f"holds {longest}; use a smaller --lead or files with more samples")
+            gapped = any(s is not None for s in self._starts)
+            gaps = " (and in one run of consecutive times: the files record gaps)" if gapped else ""
+            raise DataError(f"{self.split_dir}: lead {lead} needs more than {lead} samples in a file{gaps}, the "
+                            f"longest holds {longest}; use a smaller --lead or files with more samples")
         # Shared memory: set_epoch in the main process reaches the (persistent) worker processes.
         self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
 
@@ -266,7 +292,8 @@ class ERA5Dataset(LazyH5, Dataset):
         """(file number, day in that file) of a sample; the target of a forecast is day + lead."""
         day = index // self.patches_per_day
         file = bisect.bisect_right(self._first_day, day) - 1
-        return file, day - self._first_day[file]
+        starts = self._starts[file]
+        return file, day - self._first_day[file] if starts is None else int(starts[day - self._first_day[file]])
 
     def crop_origin(self, index: int) -> tuple[int, int]:
         """Top-left (row, column) of the sample's crop; (0, 0) for whole fields."""
