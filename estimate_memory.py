@@ -25,8 +25,9 @@ always its whole img_size field (no crops, no --field); its activation checkpoin
 FSDP unit are the transformer block (``ac: layer`` is SwinIR's RSTB, an error for the ViT).
 For SwinIR, --cp N (train_mp.py's domain parallelism) estimates the rank holding the largest band of
 each field: the cp ranks of a field share its samples, FSDP2 shards over all --world_size ranks.
-Tensor and pipeline parallelism (--tp, --pp) and the ViT's --cp are not modelled yet: the estimate
-refuses them in one line rather than answer for another layout.
+For the ViT, --cp N (its token bands) estimates the rank holding the largest band. Tensor and pipeline
+parallelism are modelled too (utils/memory/estimate.py), for plan.py, which ranks every layout by them; this
+script leaves --tp and --pp to it (`python plan.py --config NAME --cluster this-machine --nodes 1`).
 The U-Net's input is its crop_size³ crop; its units are its down and up blocks (one convolution each).
 See utils/memory/estimate.py for the model of each term, and which terms are exact or approximate;
 benchmarks/validate_memory_estimate.py compares the estimate with measurements.

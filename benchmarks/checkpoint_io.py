@@ -5,11 +5,14 @@
     python benchmarks/checkpoint_io.py --json checkpoint_io.json
 
 For each model size the model (fp32, on the CPU) and an AdamW optimizer with its state (one step on
-zero gradients, so exp_avg/exp_avg_sq exist) are written --repeats times as
+random gradients, so exp_avg/exp_avg_sq hold data, as in training) are written --repeats times as
   single: the one-file checkpoint of train.py / train_ddp.py (utils.checkpoint.save_checkpoint), and
   dcp:    the DCP folder of train_fsdp.py / train_mp.py / train_pp.py (save_sharded_checkpoint, one rank),
-and the same number of bytes is written by ``dd if=/dev/zero ... conv=fsync``: the disk's physical
-limit. Every write ends with an fsync, so the times are what the run waits for before it can exit.
+  dcp async: the same with --ckpt_async (dcp.async_save): only the time until the training step may go on,
+and the single-file checkpoint is written once more by ``dd if=CHECKPOINT ... conv=fsync``: the same bytes
+plainly copied from the page cache, the disk's physical limit. Every write ends with an fsync, so the times
+are what the run waits for before it can exit. The kinds take turns (single, its dd copy, dcp, dcp async,
+single, ...), so that a disk that speeds up or slows down favours none.
 --dir defaults to a temporary folder in the current directory (its file system), removed afterwards;
 point it at the file system your runs write their checkpoints to.
 """
@@ -18,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import shutil
 import statistics
@@ -36,11 +38,12 @@ import torch.distributed as dist  # noqa: E402
 from models import build_model  # noqa: E402
 from utils.checkpoint import TrainState, save_checkpoint  # noqa: E402
 from utils.config import build_config  # noqa: E402
-from utils.parallel.fsdp import save_sharded_checkpoint, sharded_payload  # noqa: E402
+from utils.parallel.fsdp import finish_sharded_checkpoint, save_sharded_checkpoint, sharded_payload  # noqa: E402
 from utils.precision import make_grad_scaler  # noqa: E402
 from utils.training import checkpoint_payload  # noqa: E402
 
 SIZES = ("full_size", "vit_mp")
+SINGLE, ASYNC, DD = "single (train.py)", "dcp async: step waits", "dd conv=fsync (same)"
 DD_BLOCK = 16 * 2**20
 
 
@@ -80,7 +83,7 @@ def build(name: str):
     model = build_model(cfg.model).float()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for p in model.parameters():
-        p.grad = torch.zeros_like(p)
+        p.grad = torch.randn_like(p)  # seeded above; zeros would make 2/3 of the bytes zeros
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
@@ -88,10 +91,13 @@ def build(name: str):
     return cfg, model, optimizer, scheduler, scaler
 
 
-def dd_write(target: Path, nbytes: int) -> None:
+def dd_copy(source: Path, target: Path) -> None:
+    """The same bytes again, written by dd: the single-file checkpoint just written, read back from the page
+    cache. Not /dev/zero: this VM's virtual disk writes zeros 2-3 times faster than real data (2 GB: 1.2-1.4 s
+    of zeros, 2.6-4.2 s of random bytes), which would set the limit too high."""
     target.unlink(missing_ok=True)
-    subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=16M", f"count={max(1, math.ceil(nbytes / DD_BLOCK))}",
-                    "conv=fsync"], check=True, capture_output=True)
+    subprocess.run(["dd", f"if={source}", f"of={target}", f"bs={DD_BLOCK}", "conv=fsync"], check=True,
+                   capture_output=True)
 
 
 def row(size: str, kind: str, nbytes: int, times: list[float], params: int) -> dict:
@@ -106,26 +112,32 @@ def measure(size: str, root: Path, repeats: int) -> list[dict]:
     print(f"{size}: {params / 1e6:.1f}M parameters, {repeats} writes of each kind ...", flush=True)
     single_dir, dcp_dir, dd_file = root / f"{size}_single", root / f"{size}_dcp", root / f"{size}.dd"
     writes = {  # each previous write is removed before the next one starts (outside the timing), as dd's is
-        "single (train.py)": lambda step: save_checkpoint(single_dir, step, checkpoint_payload(
+        SINGLE: lambda step: save_checkpoint(single_dir, step, checkpoint_payload(
             model, optimizer, scheduler, scaler, TrainState(), cfg), keep=0),
         "dcp (train_fsdp.py)": lambda step: save_sharded_checkpoint(dcp_dir, step, sharded_payload(
             model, optimizer, scheduler, scaler, TrainState(), cfg), keep=0),
+        # --ckpt_async: the time until the call returns is what the training step waits for (the copy to CPU
+        # memory); the write goes on behind it and is waited for right away here (the dcp row's write again).
+        ASYNC: lambda step: save_sharded_checkpoint(dcp_dir, step, sharded_payload(
+            model, optimizer, scheduler, scaler, TrainState(), cfg), keep=0, asynchronous=True),
     }
-    times: dict[str, list[float]] = {kind: [] for kind in [*writes, "dd conv=fsync"]}
+    times: dict[str, list[float]] = {kind: [] for kind in [*writes, DD]}
     nbytes = {}
-    for step in range(repeats):  # the kinds alternate, so that a disk that speeds up or slows down favours none
+    for step in range(repeats):  # the kinds take turns
         for kind, write in writes.items():
             start = time.perf_counter()
             path = write(step)
             times[kind].append(time.perf_counter() - start)
+            if kind == ASYNC:
+                finish_sharded_checkpoint()
             nbytes[kind] = disk_bytes(path)
+            if kind == SINGLE:
+                start = time.perf_counter()
+                dd_copy(path, dd_file)
+                times[DD].append(time.perf_counter() - start)
+                nbytes[DD] = disk_bytes(dd_file)
+                dd_file.unlink()
             shutil.rmtree(path) if path.is_dir() else path.unlink()
-        dd_bytes = math.ceil(max(nbytes.values()) / DD_BLOCK) * DD_BLOCK
-        start = time.perf_counter()
-        dd_write(dd_file, dd_bytes)
-        times["dd conv=fsync"].append(time.perf_counter() - start)
-        dd_file.unlink()
-    nbytes["dd conv=fsync"] = dd_bytes
     rows = [row(size, kind, nbytes[kind], times[kind], params) for kind in times]
     for r in rows:
         r["vs_dd"] = r["gb_per_s"] / rows[-1]["gb_per_s"]
@@ -135,10 +147,10 @@ def measure(size: str, root: Path, repeats: int) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'size':<10} {'kind':<20} {'GB':>6} {'s median':>9} {'min-max':>13} {'GB/s':>6} {'/ dd':>5}")
+    print(f"{'size':<10} {'kind':<21} {'GB':>6} {'s median':>9} {'min-max':>13} {'GB/s':>6} {'/ dd':>5}")
     for r in rows:
         spread = f"{r['min_s']:.2f}-{r['max_s']:.2f}"
-        print(f"{r['size']:<10} {r['kind']:<20} {r['bytes'] / 1e9:>6.2f} {r['median_s']:>9.2f} {spread:>13} "
+        print(f"{r['size']:<10} {r['kind']:<21} {r['bytes'] / 1e9:>6.2f} {r['median_s']:>9.2f} {spread:>13} "
               f"{r['gb_per_s']:>6.2f} {r['vs_dd']:>5.2f}")
 
 

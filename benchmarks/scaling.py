@@ -37,11 +37,9 @@ exposed = max(last bucket, all buckets - backward), at most all buckets.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -50,6 +48,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from utils.plan.clusters import cpu_name  # noqa: E402
+from utils.plan.comm import ddp_buckets, efficiency, node_busbw, predict_step  # noqa: E402
 
 MiB = 2**20
 GB = 1e9  # bandwidths in GB/s = 1e9 bytes/s, as nccl-tests and comm_check.py print them
@@ -62,58 +63,7 @@ PERLMUTTER_NVLINK_GBPS = 300.0
 PERLMUTTER_SLINGSHOT_GBPS = 100.0
 
 
-# --- the performance model: pure functions ------------------------------------------------------------
-
-def ring_allreduce_seconds(nbytes: float, ranks: int, busbw: float, latency: float = 0.0) -> float:
-    """Time of a ring all-reduce of ``nbytes`` over ``ranks`` at bus bandwidth ``busbw`` (bytes/s).
-
-    nccl-tests: algbw = nbytes / t and busbw = algbw x 2(n-1)/n (what each link carries), hence
-    t = nbytes x 2(n-1)/n / busbw. ``latency``: seconds per ring step, of which a ring all-reduce takes
-    2(n-1) (reduce-scatter, then all-gather); 0 leaves latency out. One rank has nothing to exchange.
-    """
-    if ranks < 2 or nbytes <= 0:
-        return 0.0
-    return 2 * (ranks - 1) * latency + nbytes * 2 * (ranks - 1) / ranks / busbw
-
-
-def ddp_buckets(grad_bytes: list[int], cap_bytes: float) -> list[int]:
-    """Bucket sizes as DDP's Reducer fills them: gradients in the order they become ready (the model's
-    parameters reversed), a bucket closed as soon as it holds ``cap_bytes`` or more."""
-    buckets, current = [], 0
-    for size in grad_bytes:
-        current += size
-        if current >= cap_bytes:
-            buckets.append(current)
-            current = 0
-    if current:
-        buckets.append(current)
-    return buckets
-
-
-def predict_step(compute_s: float, backward_s: float, buckets: list[int], ranks: int, busbw: float,
-                 latency: float = 0.0) -> dict:
-    """Predicted step time of DDP over ``ranks``: compute plus the all-reduce time that backward cannot hide.
-
-    Assumption: bucket k's all-reduce starts when its gradients are ready and runs alongside the rest of
-    backward; the last bucket is ready only when backward ends, so at least its all-reduce is exposed,
-    and all of the communication beyond ``backward_s`` is too.
-    """
-    times = [ring_allreduce_seconds(b, ranks, busbw, latency) for b in buckets]
-    comm = sum(times)
-    exposed = min(comm, max(times[-1] if times else 0.0, comm - backward_s))
-    return {"comm_s": comm, "exposed_s": exposed, "step_s": compute_s + exposed, "no_overlap_s": compute_s + comm}
-
-
-def efficiency(samples_per_sec: float, ranks: int, one_rank_samples_per_sec: float) -> float:
-    """Throughput against ideal: N ranks should do N times the work of one (weak and strong scaling alike)."""
-    return samples_per_sec / (ranks * one_rank_samples_per_sec)
-
-
-def node_busbw(nodes: int, gpus_per_node: int, intra: float, inter: float) -> float:
-    """Bus bandwidth of a ring over ``nodes`` x ``gpus_per_node`` GPUs: NVLink inside one node, else the
-    slowest link (the network between nodes)."""
-    return intra if nodes == 1 else min(intra, inter)
-
+# --- the performance model: pure functions, in utils/plan/comm.py (plan.py uses them too) ----------------------
 
 # --- the worker: one world size, under torchrun ---------------------------------------------------------
 
@@ -227,15 +177,6 @@ def measure_busbw(grad_bytes: int, env, device) -> dict:
         raise RuntimeError(f"the all-reduce check returned {wrong} wrong elements: run comm_check.py")
     algbw = size / seconds
     return {"bytes": size, "seconds": seconds, "algbw": algbw, "busbw": algbw * ALL_REDUCE.bus_factor(env.world_size)}
-
-
-def cpu_name() -> str:
-    """The CPU's model name (Linux), else the architecture."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
-    return platform.machine()
 
 
 def worker(args: argparse.Namespace) -> int:

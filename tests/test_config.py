@@ -110,12 +110,11 @@ def test_keys_at_their_defaults_pass_and_the_table_names_real_keys_and_scripts()
         assert parse_config("", [], script_defaults={"profile": True}).profile.profile is True
 
 
-def test_the_vit_cp_is_not_estimated_as_something_else():
+def test_the_vit_cp_is_estimated_as_its_token_bands():
     proc = subprocess.run([sys.executable, "estimate_memory.py", "--config", "vit_mp", "--cp", "4", "--world_size", "4",
                            "--strategy", "fsdp"], cwd=REPO, capture_output=True, text=True)
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.strip() == ("error: the estimate models cp for SwinIR's field bands only, not yet the vit's "
-                                   "(train_mp.py --cp): estimate without --cp")
+    assert proc.returncode == 0, proc.stderr
+    assert "4 ranks, strategy fsdp, each field in 4 bands (cp)" in proc.stdout.splitlines()[0]
 
 
 def test_under_torchrun_only_rank_0_prints_a_config_error(capsys, monkeypatch):

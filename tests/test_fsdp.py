@@ -11,7 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from tests.conftest import REFERENCE_STEPS as STEPS
 from tests.conftest import TINY_MODEL, read_metrics, resume_from, run_script, tiny_args, weights_at
+from tests.plan_memory import assert_within
 from tests.test_ddp import assert_same_weights, launch_beside_reference, train_losses
 from utils.checkpoint import CheckpointError
 from utils.config import ConfigError, build_config

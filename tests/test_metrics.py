@@ -3,6 +3,7 @@
 import json
 import os
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -170,6 +171,48 @@ def test_measuring_leaves_the_global_rng_alone():
     torch.manual_seed(0)
     assert measure_matmul_flops("cpu", budget_s=0.05) > 0
     assert torch.equal(torch.rand(3), expected)
+
+
+def _slowed_matmul(monkeypatch, slow) -> None:
+    """torch.mm as the probe calls it, but sleeping ``slow(side, call)`` seconds first: a busy machine, injected."""
+    real, calls = torch.mm, []
+
+    def mm(a, b):
+        calls.append(a.shape[0])
+        time.sleep(slow(a.shape[0], len(calls)))
+        return real(a, b)
+
+    monkeypatch.setattr(torch, "mm", mm)
+
+
+def test_a_slow_small_matmul_does_not_stop_the_probe_below_512(monkeypatch):
+    # What a busy 2-core machine did: a 128x128 matmul took 24 ms, the probe stopped there and reported
+    # ~0.17 GFLOP/s, and train.py printed "mfu 6237.7%".
+    _slowed_matmul(monkeypatch, lambda side, call: 0.024 if side < flops.MIN_PROBE_SIDE["cpu"] else 0.0)
+    peak = flops.measure_matmul_peak("cpu", budget_s=0.3)
+    assert peak.side >= 512
+    assert peak.flops > 100 * 2 * 128**3 / 0.024  # the stuck probe's figure was 0.17 GFLOP/s
+
+
+def test_a_busy_machine_is_said_and_measured_again(monkeypatch):
+    # Two repetitions in three preempted for 60 ms: the spread gives it away, and a warning says so.
+    _slowed_matmul(monkeypatch, lambda side, call: 0.06 if call % 3 else 0.0)
+    peak = flops.measure_matmul_peak("cpu", budget_s=0.3)
+    assert peak.busy and peak.spread > flops.BUSY_SPREAD
+    with pytest.warns(RuntimeWarning, match="too busy to measure its peak"):
+        assert measure_matmul_flops("cpu", budget_s=0.2) > 0
+
+
+def test_an_idle_probe_is_not_busy():
+    peak = flops.measure_matmul_peak("cpu", budget_s=0.3)
+    assert peak.side >= 512 and peak.flops > 1e8
+    # (not asserting busy is False: the test suite may share the machine with other jobs)
+
+
+def test_mfu_above_100_percent_is_clamped_with_a_warning():
+    with pytest.warns(RuntimeWarning, match="measured while the machine was busy"):
+        assert mfu(1e9, 200.0, 1e10) == 1.0  # the step did 200 GFLOP/s against a "peak" of 10
+    assert mfu(1e9, 5.0, 1e10) == pytest.approx(0.5)
 
 
 def test_peak_memory_cpu_is_the_process_peak_rss_in_gb():

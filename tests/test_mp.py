@@ -22,6 +22,7 @@ import torch
 
 from tests.conftest import (REFERENCE_STEPS, VIT_STEPS, FakeMesh, exit_in_one_process, read_metrics, run_script,
                             run_then_resume, tiny_args, vit_args, weights_at)
+from tests.plan_memory import assert_within
 from tests.test_ddp import assert_same_weights, train_losses
 from tests.test_fsdp import exported
 from tests.test_vit_training import assert_equals_single_device, assert_resumed_equals_single_device, val_records
@@ -90,6 +91,11 @@ def test_swinir_tensor_parallel_run_equals_one_device(swinir_runs):
     assert_same_weights(exported(tp2, 3)["model"], weights_at(single, 3))
 
 
+def test_the_estimate_predicts_swinirs_tensor_parallel_memory_record(swinir_runs, tiny_data):
+    # Heads and MLP units split, LayerNorms and the residual stream whole (no sequence parallelism).
+    assert_within(swinir_runs["tp2"], tiny_args(tiny_data, swinir_runs["tp2"], "--max_steps", "3", "--tp", "2"), 2)
+
+
 def test_swinir_tp_checkpoint_resumes_with_the_field_in_bands(swinir_runs):
     # Each rank read and computed half of every field; losses, validation (the model's and the bicubic
     # baseline's, from bands gathered on the first band's rank) and weights are one device's.
@@ -111,6 +117,14 @@ def test_memory_report_per_rank(mp_runs):
     # dp x cp with FSDP2: here dp x cp = 2, so cp's FSDP shards are halves too).
     assert memory["tp2"]["total_mb"] < memory["tp2"]["ddp_total_mb"]
     assert memory["cp2"]["total_mb"] == pytest.approx(memory["cp2"]["ddp_total_mb"] / 2, rel=0.05)
+
+
+def test_the_estimate_plan_py_uses_predicts_each_layouts_memory_record(mp_runs, vit_data):
+    # tp 2 (heads, MLP and sequence-parallel norms split) and cp 2 with activation checkpointing (a band of the
+    # tokens, keys and values gathered): parameters + gradients + AdamW state and the bytes saved for backward of
+    # the largest rank, within 10 % of what each run measured.
+    for name, flags in (("tp2", ["--tp", "2"]), ("cp2", ["--cp", "2", "--ac", "block"])):
+        assert_within(mp_runs[name], vit_args(vit_data, mp_runs[name], *flags), 2)
 
 
 # ------------------------------------------------------------------ bad input

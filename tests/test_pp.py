@@ -22,6 +22,7 @@ import torch
 from models import build_model
 from tests.conftest import (VIT_STEPS, exit_in_one_process, read_metrics, run_script, run_then_resume, tiny_args,
                             vit_args, weights_at)
+from tests.plan_memory import assert_within
 from tests.test_ddp import assert_same_weights, train_losses
 from tests.test_fsdp import exported
 from tests.test_vit_training import assert_equals_single_device, assert_resumed_equals_single_device
@@ -77,7 +78,7 @@ def test_a_pipeline_checkpoint_resumes_in_another_layout(pp_runs):
     assert_resumed_equals_single_device(pp_runs["dp2"], pp_runs["single"])
 
 
-def test_bubble_and_memory_per_rank(pp_runs):
+def test_bubble_and_memory_per_rank(pp_runs, vit_data):
     records = read_metrics(pp_runs["pp2"])
     bubble = next(r for r in records if r["kind"] == "pipeline")
     assert bubble["schedule"] == "1f1b" and bubble["bubble_theory"] == pytest.approx(1 / 3, abs=1e-3)
@@ -91,6 +92,8 @@ def test_bubble_and_memory_per_rank(pp_runs):
     # Each rank holds its stage's parameters: about half of the model (the stem and tail are not equal).
     assert memory["ranks"] == 2 and memory["activations_mb"] > 0
     assert 0.3 < memory["vs_ddp"] < 0.7
+    # The estimate plan.py ranks layouts by: each rank's stage, its microbatches in flight under 1F1B.
+    assert_within(pp_runs["pp2"], vit_args(vit_data, pp_runs["pp2"], "--pp", "2", "--pp_microbatches", "2"), 2)
 
 
 def test_swinir_zero_bubble_pipeline_equals_one_device(tiny_data, tmp_path):
@@ -106,6 +109,7 @@ def test_swinir_zero_bubble_pipeline_equals_one_device(tiny_data, tmp_path):
     val = [r for r in read_metrics(pipelined) if r["kind"] == "val"]
     reference = [r for r in read_metrics(single) if r["kind"] == "val"]
     torch.testing.assert_close(val[0]["rmse"], reference[0]["rmse"], rtol=1e-4, atol=1e-6)
+    assert_within(pipelined, tiny_args(tiny_data, pipelined, *steps, "--pp", "2", "--pp_schedule", "zbv"), 2)
 
 
 # ------------------------------------------------------------------ the cut, and bad input

@@ -9,6 +9,7 @@ from tests.conftest import REPO, TINY_MODEL, run_script
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import scaling  # noqa: E402
+from utils.plan import comm  # noqa: E402
 
 MiB = 2**20
 
@@ -17,16 +18,16 @@ MiB = 2**20
 
 def test_ring_all_reduce_time_follows_nccl_tests_definitions():
     # 100 MB over 4 ranks at a bus bandwidth of 100 GB/s: each rank sends 2 x 3/4 x 100 MB = 150 MB -> 1.5 ms.
-    assert scaling.ring_allreduce_seconds(100e6, 4, 100e9) == pytest.approx(1.5e-3)
-    assert scaling.ring_allreduce_seconds(100e6, 2, 100e9) == pytest.approx(1.0e-3)
-    assert scaling.ring_allreduce_seconds(100e6, 1, 100e9) == 0.0
+    assert comm.ring_allreduce_seconds(100e6, 4, 100e9) == pytest.approx(1.5e-3)
+    assert comm.ring_allreduce_seconds(100e6, 2, 100e9) == pytest.approx(1.0e-3)
+    assert comm.ring_allreduce_seconds(100e6, 1, 100e9) == 0.0
     # with 10 us per ring step: 2 x 3 steps = 60 us more
-    assert scaling.ring_allreduce_seconds(100e6, 4, 100e9, latency=10e-6) == pytest.approx(1.56e-3)
+    assert comm.ring_allreduce_seconds(100e6, 4, 100e9, latency=10e-6) == pytest.approx(1.56e-3)
     # comm_check.py prints busbw = algbw x bus_factor(n), with algbw = bytes / time: the same time back.
     from comm_check import ALL_REDUCE
 
     algbw = 40e9
-    assert scaling.ring_allreduce_seconds(8e6, 8, algbw * ALL_REDUCE.bus_factor(8)) == pytest.approx(8e6 / algbw)
+    assert comm.ring_allreduce_seconds(8e6, 8, algbw * ALL_REDUCE.bus_factor(8)) == pytest.approx(8e6 / algbw)
 
 
 def test_buckets_close_at_the_cap_as_ddp_fills_them():

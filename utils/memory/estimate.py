@@ -9,6 +9,13 @@ prints) adds up
 * temporary: the extra memory of the worst moment of the step on top of the held activations
   (:func:`~utils.memory.graphs.simulate_peak`).
 
+Model parallelism (train_mp.py, train_pp.py; plan.py ranks layouts by it): ``tp`` splits what the model's row of
+utils/parallel/plans.py splits (the activations as each graph says: utils/memory/graphs.py), the ViT's ``cp`` gives
+each rank a band of tokens with the keys and values of all bands, and ``pp`` gives each rank its stages' parameters
+and the activations of the microbatches its schedule keeps in flight (:func:`in_flight`). Checked against the
+``memory`` records of small runs (tests/test_mp.py, test_pp.py, test_fsdp.py: within 10 %; tp 2 -6 % (SwinIR -5 %),
+cp 2 -2 %, 1F1B +0.4 %, ZB-V -7 %, FSDP exact) and of benchmarks/bench_mp.py and bench_pp.py (3 % and 5 %).
+
 ``total = params + grads + optimizer + activations + temporary``: a slight upper bound on the peak,
 since gradients fill up while activations are freed during backward.
 
@@ -66,10 +73,13 @@ from typing import Optional
 import torch
 
 from utils.config import Config, ConfigError
-from utils.memory.graphs import (attention_kernel, held_after_forward, precision_for, simulate_peak, training_graph,
-                                 unet3d_training_graph, vit_attention_kernel, vit_precision, vit_training_graph)
+from utils.memory.graphs import (Layer, attention_kernel, held_after_forward, precision_for, simulate_peak,
+                                 training_graph, unet3d_training_graph, vit_attention_kernel, vit_precision,
+                                 vit_training_graph)
 from utils.memory.shapes import SwinIRShape, UNet3DShape, ViTShape, field_size_of, lr_input_size, model_shape
+from utils.parallel.context_parallel import band_rows
 from utils.parallel.domain_parallel import band_bounds
+from utils.parallel.pipeline_parallel import STAGES_PER_RANK, balanced_split, stage_ids
 from utils.precision import dtype_bytes
 
 GB = 1e9  # decimal gigabytes, as utils.observe.flops.peak_memory_gb and nvidia-smi's "GB"
@@ -113,37 +123,43 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
     """Predicted peak training memory of one rank for a config (see the module docstring).
 
     ``strategy``: "none" (one device, train.py), "ddp" or "fsdp" over ``world_size`` ranks; the
-    config's batch_size is global, so each rank holds the activations of batch_size / world_size.
+    config's batch_size is global, so each rank holds the activations of batch_size / dp, where dp =
+    world_size / (tp x cp x pp) for the config's tp, cp (train_mp.py: FSDP2 over dp x cp) and pp (train_pp.py:
+    parameters replicated over dp, each rank its stages').
     ``device_type`` picks the attention path (default: cfg.train.device, "auto" = CUDA if present).
     ``lr_size`` overrides SwinIR's input size (else it follows crop_size, or the whole ``field``);
     the ViT's input is always its img_size (its position embedding is made for it).
     """
+    d = cfg.dist
+    tp, cp, pp = d.tp, d.cp, d.pp
     if strategy not in ("none", "ddp", "fsdp"):
         raise ConfigError(f"strategy {strategy!r} is not one of none, ddp, fsdp")
     if world_size < 1:
         raise ConfigError(f"world_size must be >= 1, got {world_size}")
     if strategy == "none" and world_size != 1:
         raise ConfigError(f"world_size {world_size} needs --strategy ddp or fsdp")
-    if cfg.model.model == "swinir" and cfg.dist.cp > 1 and strategy != "fsdp":
-        raise ConfigError("cp > 1 is train_mp.py's domain parallelism, sharded with FSDP2 over dp x cp: use --strategy fsdp "
-                          "with --world_size a multiple of cp")
-    if cfg.model.model != "swinir" and cfg.dist.cp > 1:
-        raise ConfigError(f"the estimate models cp for SwinIR's field bands only, not yet the {cfg.model.model}'s "
-                          f"(train_mp.py --cp): estimate without --cp")
-    cp = cfg.dist.cp  # SwinIR's cp: bands of each field (domain parallelism)
-    if world_size % cp:
-        raise ConfigError(f"world_size {world_size} is not a multiple of cp {cp}: each field is split over cp ranks")
-    if cfg.train.batch_size % (world_size // cp):
+    if (tp > 1 or cp > 1) and strategy != "fsdp":
+        what = "domain parallelism" if cp > 1 and cfg.model.model == "swinir" else "model parallelism"
+        raise ConfigError(f"{'cp' if cp > 1 else 'tp'} > 1 is train_mp.py's {what}, sharded with FSDP2 over dp x cp: "
+                          "use --strategy fsdp with --world_size a multiple of tp x cp")
+    if pp > 1 and (tp > 1 or cp > 1):
+        raise ConfigError("train_pp.py combines pp with data parallelism only: use tp 1 and cp 1 with pp")
+    if world_size % (tp * cp * pp):
+        sizes = " x ".join(f"{name} {n}" for name, n in (("tp", tp), ("cp", cp), ("pp", pp)) if n > 1)
+        raise ConfigError(f"world_size {world_size} is not a multiple of {sizes}: each model replica spans those ranks")
+    dp = world_size // (tp * cp * pp)
+    if cfg.train.batch_size % dp:
         raise ConfigError(f"batch_size {cfg.train.batch_size} is the global batch and must be divisible by the "
-                          f"{world_size // cp} data-parallel ranks; use a multiple of {world_size // cp}")
+                          f"{dp} data-parallel ranks; use a multiple of {dp}")
     if device_type is None:
         device_type = cfg.train.device if cfg.train.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     shape = model_shape(cfg.model)
-    d = cfg.dist
     ac = cfg.train.ac
     shape.check_supported(ac, d.fsdp_unit if strategy == "fsdp" else "block")
     param_dtype = d.param_dtype if strategy == "fsdp" else "fp32"
-    batch = cfg.train.batch_size // (world_size // cp)
+    batch = cfg.train.batch_size // dp
+    notes = []
+    graph_batch = batch // d.pp_microbatches if pp > 1 else batch  # a pipeline's graph is one microbatch's
 
     # ---------------------------------------------------------------------- activations
     if isinstance(shape, ViTShape):
@@ -154,8 +170,10 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
         height, width = padded = vit
         p = vit_precision(device_type, cfg.train.amp_dtype, param_dtype)
         kernel = vit_attention_kernel(device_type, p, shape.head_dim)
-        graph = vit_training_graph(shape, p, kernel, ac, batch, cfg.train.loss, cfg.train.loss_space)
-        tokens = batch * shape.tokens
+        rows, cols = height // shape.patch_size, width // shape.patch_size
+        band = band_rows(rows, cp)[0] * cols if cp > 1 else None  # the largest band's tokens
+        graph = vit_training_graph(shape, p, kernel, ac, graph_batch, cfg.train.loss, cfg.train.loss_space, tp, band)
+        tokens = batch * (band or shape.tokens)
     elif isinstance(shape, UNet3DShape):
         if field:
             raise ConfigError("the U-Net trains on crop_size³ crops of a volume: --field does not apply; set --crop_size")
@@ -165,7 +183,8 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
         p = precision_for(device_type, cfg.train.amp_dtype, param_dtype)
         p = dataclasses.replace(p, label=p.label.replace(" (LayerNorm in fp32)", ""))  # no LayerNorm here
         kernel = "conv3d"
-        graph = unet3d_training_graph(shape, p.matmul, dtype_bytes(param_dtype), ac, batch, side, cfg.train.lambda_rho)
+        graph = unet3d_training_graph(shape, p.matmul, dtype_bytes(param_dtype), ac, graph_batch, side,
+                                      cfg.train.lambda_rho)
         tokens = batch * side ** 3
     else:
         p = precision_for(device_type, cfg.train.amp_dtype, param_dtype)
@@ -176,49 +195,74 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
             height = stop - start
         pm = shape.pad_multiple
         padded = (math.ceil(height / pm) * pm, math.ceil(width / pm) * pm)
-        out_pixels = batch * height * shape.scale * width * shape.scale
-        graph = training_graph(shape, p, kernel, ac, batch, padded, out_pixels, cfg.train.loss, cfg.train.loss_space)
+        out_pixels = graph_batch * height * shape.scale * width * shape.scale
+        graph = training_graph(shape, p, kernel, ac, graph_batch, padded, out_pixels, cfg.train.loss,
+                               cfg.train.loss_space, tp)
         tokens = batch * padded[0] * padded[1]
+    num_params = shape.num_params()
+    if pp > 1:
+        ranks = pipeline_ranks(cfg, shape, graph, pp)
+        stage = max(ranks, key=lambda r: r.params * 16 + r.held)  # 16: fp32 parameter, gradient, 2 AdamW moments
+        graph, num_params, param_tensors = stage.graph, stage.params, stage.param_tensors
+        notes.append(f"pipeline rank {stage.rank} of {pp}: {stage.in_flight:g} microbatches of {graph_batch} in flight")
+    else:
+        param_tensors = shape.num_param_tensors()
     parts = held_after_forward(graph)
+    if pp > 1:  # the microbatches in flight, and on the first stage what torch's shape inference keeps
+        parts = {k: v * stage.in_flight for k, v in parts.items()}
+        parts["pipeline_shape_inference"] = stage.held - sum(parts.values())
     if isinstance(shape, SwinIRShape):
         parts.setdefault("rstb_convs", 0.0)
         if cp > 1:  # approximate: each 3x3 convolution saves its input with a halo row above and below
             for part in CONV_PARTS:
                 parts[part] = parts.get(part, 0.0) * (height + 2) / height
     # Autocast saves a low-precision copy of each linear/conv weight used outside checkpointed units.
-    parts["autocast_weight_copies"] = 2.0 * shape.cast_weights(ac) if p.weight_copies else 0.0
+    # (Under tp each rank casts its shards; a pipeline rank its stages': in proportion to their parameters.)
+    share = (num_params / shape.num_params() if pp > 1 else 1.0) / tp
+    parts["autocast_weight_copies"] = 2.0 * shape.cast_weights(ac) * share if p.weight_copies else 0.0
     activations = sum(parts.values())
 
     # ---------------------------------------------------------------------- temporary peak
     held = activations - parts["autocast_weight_copies"]
     peak_forward, peak_backward = simulate_peak(graph)
+    if pp > 1:  # the other microbatches in flight stay held while one runs
+        extra = held - held * (1 / stage.in_flight)
+        peak_forward, peak_backward = peak_forward + extra, peak_backward + extra
     phases = {"forward": max(peak_forward - held, 0.0), "backward": max(peak_backward - held, 0.0)}
     temporary = max(phases.values())
 
     # ---------------------------------------------------------------------- parameters, optimizer
-    num_params = shape.num_params()
     params_detail = {"model_fp32": num_params * 4.0}
+    units = shape.fsdp_units(d.fsdp_unit) if strategy == "fsdp" else []
+    if tp > 1:  # each rank holds 1/tp of what tensor parallelism splits (the blocks' matrices, the ViT's head)
+        split = shape.tp_split_params() * (1 - 1 / tp)
+        units = [u * (1 - split / sum(units)) for u in units]  # (the head's share is the root's: a slight error)
+        num_params -= split
     shard = 1
-    if strategy == "fsdp":
+    # FSDP2 splits each tensor along its first dimension: the ViT's position embedding (1, tokens, D) stays whole
+    # on the first rank of each shard group, the largest rank.
+    per_rank = lambda n: n if shard == 1 else (n - shape.unsplit_params()) / shard + shape.unsplit_params()  # noqa: E731
+    if strategy == "fsdp" and pp == 1:
         if d.hsdp_replicas < 1 or world_size % d.hsdp_replicas:
             raise ConfigError(f"hsdp_replicas {d.hsdp_replicas} must divide world_size {world_size}")
-        shard = world_size // d.hsdp_replicas
-        params_detail, largest_unit = _fsdp_params(shape, num_params, shard, dtype_bytes(param_dtype),
-                                                   d.fsdp_unit, d.reshard_after_forward)
+        shard = world_size // tp // d.hsdp_replicas
+        params_detail, largest_unit = _fsdp_params(units, num_params, per_rank(num_params), dtype_bytes(param_dtype),
+                                                   d.reshard_after_forward)
     params = sum(params_detail.values())
-    grads = num_params * 4.0 / shard
+    grads = per_rank(num_params) * 4.0
+    states = per_rank(num_params) * (4.0 + 4.0 + ADAMW_STATE_BYTES) + param_tensors * ADAMW_STEP_BYTES
     if strategy == "ddp" and not d.gradient_as_bucket_view:
         grads *= 2  # DDP's communication buckets are a second copy of the gradients
-    if strategy == "fsdp":  # one unit's unsharded gradients, and their copy for the reduce-scatter
+    if strategy == "fsdp" and pp == 1:  # one unit's unsharded gradients, and their copy for the reduce-scatter
         grads += largest_unit * (dtype_bytes(param_dtype) + dtype_bytes(d.reduce_dtype))
-    optimizer = num_params * ADAMW_STATE_BYTES / shard + shape.num_param_tensors() * ADAMW_STEP_BYTES
+    optimizer = per_rank(num_params) * ADAMW_STATE_BYTES + param_tensors * ADAMW_STEP_BYTES
 
     setting = {
         "model": shape.name, "config": cfg.name, "strategy": strategy, "world_size": world_size,
         "batch_per_rank": batch, "lr_input": list(padded) if isinstance(shape, UNet3DShape) else [height, width],
         "padded_input": list(padded), "tokens_per_rank": tokens,
         "amp_dtype": cfg.train.amp_dtype, "ac": ac, "device_type": device_type, "attention": kernel,
-        "precision": p.label, "num_params": num_params,
+        "precision": p.label, "num_params": shape.num_params(), "states_gb": round(states / GB, 6),
     }
     if isinstance(shape, ViTShape):
         setting.update(patch_size=shape.patch_size, tokens_per_sample=shape.tokens, loss=cfg.train.loss,
@@ -226,23 +270,97 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
     elif not lr_size and not cfg.data.crop_size:
         size, source = (field, "set by --field") if field else field_size_of(cfg)
         setting["field"], setting["field_source"] = list(size), source
-    if strategy == "fsdp":
+    if strategy == "fsdp" and pp == 1:
         setting.update(shard_group=shard, fsdp_unit=d.fsdp_unit, param_dtype=param_dtype)
-    if cp > 1:
-        setting["cp"] = cp
+    for key, value in (("tp", tp), ("cp", cp), ("pp", pp)):
+        if value > 1:
+            setting[key] = value
+    if pp > 1:  # every rank's: train_pp.py's memory record reports the largest of each
+        setting.update(pp_schedule=d.pp_schedule, pp_microbatches=d.pp_microbatches, pp_ranks=[
+            {"states_gb": round((r.params * 16 + r.param_tensors * ADAMW_STEP_BYTES) / GB, 6),
+             "activations_gb": round(r.held / GB, 6)} for r in ranks])
+    if notes:
+        setting["notes"] = notes
     return MemoryEstimate(params, grads, optimizer, activations, temporary, parts, phases, params_detail, setting)
 
 
-def _fsdp_params(shape, num_params: int, shard: int, param_bytes: int, unit: str,
-                 reshard_after_forward: bool) -> tuple[dict[str, float], int]:
+@dataclass
+class PipelineRank:
+    """The pipeline rank whose parameters, gradients, AdamW state and in-flight activations weigh most."""
+
+    rank: int
+    graph: list[Layer]  # its stages' layers, for one microbatch
+    params: int
+    param_tensors: int
+    in_flight: float  # microbatches whose activations are held at once, at its peak
+    held: float  # bytes of those activations
+
+
+# torch 2.15's PipelineStage runs a real forward and backward of the first microbatch to infer its shapes (its
+# "dynamic metadata inference"); on the first stage part of that forward's graph stays alive for the whole run
+# (measured with SavedTensorBytes: 107,520 of the tiny ViT's 148,992 bytes per microbatch, 72 %; SwinIR's stage
+# in benchmarks/bench_pp.py's runs: 74 %, for every schedule and microbatch count). An empirical constant.
+FIRST_STAGE_KEEPS = 0.73
+
+
+def in_flight(schedule: str, pp: int, rank: int, microbatches: int) -> float:
+    """Microbatches a pipeline rank holds the activations of at once, per schedule (its stages together).
+
+    GPipe runs every forward before any backward: all m. 1F1B starts pp - rank forwards before its first
+    backward and then alternates: min(m, pp - rank). Interleaved 1F1B (two stages per rank, each half the
+    rank's units): Megatron's warm-up, 2 (pp - rank - 1) + pp chunk forwards, plus the one in steady state,
+    counted in chunks of half the rank's activations. ZB-V (two stages per rank in a V): torch computes the
+    input gradient with retain_graph and keeps each microbatch's graph until its deferred weight-gradient step,
+    so the count grows with m; not derived but fitted to benchmarks/bench_pp.py's pp 2 runs (1.55, 2.2 and 3.6
+    of the rank's microbatches at m = 2, 4, 8): 0.75 min(m, pp) + (m - min(m, pp)) / 3, approximate.
+    Hand-written: torch.distributed.pipelining has no memory model of its schedules.
+    """
+    if schedule == "gpipe":
+        return float(microbatches)
+    if schedule == "1f1b":
+        return float(min(microbatches, pp - rank))
+    if schedule == "interleaved_1f1b":
+        return min(2 * microbatches, 2 * (pp - rank - 1) + pp + 1) / 2
+    filled = min(microbatches, pp)
+    return 0.75 * filled + (microbatches - filled) / 3  # zbv
+
+
+def pipeline_ranks(cfg: Config, shape, graph: list[Layer], pp: int) -> list[PipelineRank]:
+    """Cut one microbatch's ``graph`` into train_pp.py's stages (its balanced split, or pp_split), one entry per
+    pipeline rank: the stem's layers go with stage 0, the tail's with the last stage."""
+    d = cfg.dist
+    costs, stem, tail = shape.pipeline_units()
+    n_stages = pp * STAGES_PER_RANK[d.pp_schedule]
+    split = list(d.pp_split) or balanced_split(costs, n_stages, stem, tail)
+    bounds = [sum(split[:s]) for s in range(n_stages + 1)]
+    total, tensors = shape.num_params(), shape.num_param_tensors()
+    first_unit_layer = next(i for i, op in enumerate(graph) if op.stage_unit is not None)
+    ranks = []
+    for rank in range(pp):
+        ids = stage_ids(d.pp_schedule, pp, rank)
+        units = {u for s in ids for u in range(bounds[s], bounds[s + 1])}
+        first, last = 0 in ids, n_stages - 1 in ids
+        layers = [op for i, op in enumerate(graph) if (op.stage_unit in units if op.stage_unit is not None else
+                                                       (first if i < first_unit_layer else last))]
+        params = sum(costs[u] for u in units) + (stem if first else 0) + (tail if last else 0)
+        flight = in_flight(d.pp_schedule, pp, rank, d.pp_microbatches)
+        held = sum(held_after_forward(layers).values()) * flight
+        if first:  # + what the first stage keeps of its metadata inference (see FIRST_STAGE_KEEPS)
+            stage0 = [op for i, op in enumerate(graph) if i < first_unit_layer or op.stage_unit in range(split[0])]
+            held += FIRST_STAGE_KEEPS * sum(held_after_forward(stage0).values())
+        ranks.append(PipelineRank(rank, layers, params, round(tensors * params / total), flight, held))
+    return ranks
+
+
+def _fsdp_params(units: list[float], num_params: float, sharded: float, param_bytes: int,
+                 reshard_after_forward: bool) -> tuple[dict[str, float], float]:
     """FSDP2 parameters per rank: fp32 shards, plus the unsharded (all-gathered, param_dtype) copies of
     the root's parameters and of the units in flight; and the parameter count of the largest unit."""
-    units = shape.fsdp_units(unit)
     # SwinIR's root: stem, body, upsampler (and RSTB convs for unit "block"); the ViT's: patch and
     # position embeddings, final norm, head.
     root = num_params - sum(units)
     # The current unit and the prefetched next one; without resharding, every unit stays gathered.
     in_flight = 2 * max(units) if reshard_after_forward else sum(units)
-    detail = {"sharded_fp32": num_params * 4.0 / shard, "gathered_root": root * float(param_bytes),
+    detail = {"sharded_fp32": sharded * 4.0, "gathered_root": root * float(param_bytes),
               "gathered_units": in_flight * float(param_bytes)}
     return detail, max(units)

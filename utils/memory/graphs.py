@@ -55,6 +55,8 @@ class Layer:
     """Activation-checkpointing unit it belongs to (recomputed in backward), if any."""
     unit_input: bool = False
     """The unit's input: the one tensor a checkpointed unit keeps through forward."""
+    stage_unit: Optional[int] = None
+    """The unit a pipeline cuts at (the ViT's block, SwinIR's RSTB) it belongs to; None: the stem or the tail."""
 
 
 def loss_layer(loss: str, loss_space: str, pred_bytes: float, batch: int, channels: int) -> Layer:
@@ -115,9 +117,15 @@ def attention_kernel(device_type: str) -> str:
 
 
 def _swin_block(shape: SwinIRShape, heads: int, p: Precision, kernel: str, shifted: bool, tokens: int,
-                batch: int, drop_path: bool) -> list[Layer]:
-    """The saved tensors of one Swin block (models/swinir.py: SwinTransformerBlock._forward)."""
-    c, hid, n, a, st = shape.embed_dim, shape.hidden, shape.window ** 2, p.matmul, p.stream
+                batch: int, drop_path: bool, tp: int = 1) -> list[Layer]:
+    """The saved tensors of one Swin block (models/swinir.py: SwinTransformerBlock._forward).
+
+    ``tp`` (utils/parallel/plans.py's SwinIR row, no sequence parallelism): each rank holds heads / tp of the
+    attention and hid / tp of the MLP, so what is saved after qkv and fc1 shrinks by tp; the LayerNorms, the
+    residual stream and the inputs of qkv and fc1 stay whole on every rank."""
+    c, hid, n, a, st = shape.embed_dim, shape.hidden / tp, shape.window ** 2, p.matmul, p.stream
+    heads = heads / tp
+    cs = c / tp  # this rank's channels of q, k, v and the attention output
     att = heads * n * a  # one attention matrix: heads x window^2 values per token
     skips = c * a + 2 * c * st  # gradients waiting at the long, RSTB and block skip connections
     t = tokens
@@ -129,23 +137,23 @@ def _swin_block(shape: SwinIRShape, heads: int, p: Precision, kernel: str, shift
               layer(LN_STATS_BYTES, c * a, c * a + c * st)]                 # norm1 (statistics)
     if kernel == "explicit":
         layers += [
-            layer(c * a, 3 * c * a, 5 * c * a),                 # qkv: its input, the norm1 output in windows
-            layer(2 * c * a, 3 * c * a + att, att + 2 * c * a),  # q k^T: scaled q, contiguous copy of k^T
-            layer(att, 3 * c * a + 2 * att, 2 * att + c * a),    # softmax: the probabilities
-            layer(c * a, c * a, att + 2 * c * a),                # probs @ v: contiguous copy of v
-            layer(c * a, c * a, 2 * c * a),                      # proj: its input
+            layer(c * a, 3 * cs * a, 3 * cs * a + 2 * c * a),      # qkv: its input, the norm1 output in windows
+            layer(2 * cs * a, 3 * cs * a + att, att + 2 * cs * a),  # q k^T: scaled q, contiguous copy of k^T
+            layer(att, 3 * cs * a + 2 * att, 2 * att + cs * a),    # softmax: the probabilities
+            layer(cs * a, cs * a, att + 2 * cs * a),               # probs @ v: contiguous copy of v
+            layer(cs * a, c * a, cs * a + c * a),                  # proj: its input
         ]
     else:
         # Memory-efficient SDPA keeps q, k, v, its output, the fp32 log-sum-exp and the bias + mask,
         # which shifted blocks materialise per window. q, k, v are views of the qkv output and the
         # output is proj's input, unless the model pads the head dimension for the kernel: then
         # they are padded copies, and proj's input is a copy of the output's unpadded part.
-        head_dim = c // heads
+        head_dim = c // (heads * tp)
         padded = heads * (head_dim + _sdpa_head_pad(head_dim))
-        qkv_out = 3 * padded * a + padded * a + (c * a if padded != c else 0.0)
+        qkv_out = 3 * padded * a + padded * a + (cs * a if padded != cs else 0.0)
         bias_per_token = att if shifted else 0.0
         layers += [
-            layer(c * a, 3 * c * a, 5 * c * a),
+            layer(c * a, 3 * cs * a, 3 * cs * a + 2 * c * a),
             layer(qkv_out + 4 * heads + bias_per_token, padded * a + bias_per_token, 4 * padded * a + att),
         ]
         if not shifted:  # one (heads, N, N) bias shared by all windows
@@ -205,8 +213,9 @@ def _upsampler(shape: SwinIRShape, a: int, tokens: int) -> list[Layer]:
 
 
 def training_graph(shape: SwinIRShape, p: Precision, kernel: str, ac: str, batch: int, padded: tuple[int, int],
-                   out_pixels: int, loss: str, loss_space: str = "physical") -> list[Layer]:
-    """SwinIR's training step as a list of layers in forward order (models/swinir.py: SwinIR.forward)."""
+                   out_pixels: int, loss: str, loss_space: str = "physical", tp: int = 1) -> list[Layer]:
+    """SwinIR's training step as a list of layers in forward order (models/swinir.py: SwinIR.forward); ``tp``:
+    tensor parallelism's share of each Swin block (:func:`_swin_block`)."""
     c, a, st = shape.embed_dim, p.matmul, p.stream
     tokens = batch * padded[0] * padded[1]
     graph = [Layer("stem", tokens * shape.in_chans * a, tokens * c * a),                 # conv_first: its input
@@ -217,15 +226,17 @@ def training_graph(shape: SwinIRShape, p: Precision, kernel: str, ac: str, batch
     for layer_index, (depth, heads) in enumerate(zip(shape.depths, shape.num_heads)):
         for i in range(depth):
             block = _swin_block(shape, heads, p, kernel, shape.shifted(i), tokens, batch,
-                                drop_path=shape.drop_path_rate > 0 and block_index > 0)  # rates linspace(0, r)
+                                drop_path=shape.drop_path_rate > 0 and block_index > 0, tp=tp)  # rates linspace(0, r)
             block_index += 1
             for op in block:
                 op.unit = {"none": None, "block": unit, "layer": layer_index}[ac]
                 op.unit_input = op.unit_input and (ac == "block" or (ac == "layer" and i == 0))
+                op.stage_unit = layer_index
             unit += 1
             graph += block
         conv = Layer("rstb_convs", tokens * _resi_conv(shape, a), tokens * c * a,
-                     tokens * (2 * c * a + c * st + c * a), unit=layer_index if ac == "layer" else None)
+                     tokens * (2 * c * a + c * st + c * a), unit=layer_index if ac == "layer" else None,
+                     stage_unit=layer_index)
         graph.append(conv)
     graph += [Layer("body", tokens * (c * st + LN_STATS_BYTES), tokens * c * a, tokens * 3 * c * a),  # norm
               Layer("body", tokens * _resi_conv(shape, a), tokens * c * a, tokens * 3 * c * a)]   # conv_after_body
@@ -287,7 +298,7 @@ def vit_attention_kernel(device_type: str, p: ViTPrecision, head_dim: int) -> st
 
 
 def vit_training_graph(shape: ViTShape, p: ViTPrecision, kernel: str, ac: str, batch: int, loss: str,
-                       loss_space: str) -> list[Layer]:
+                       loss_space: str, tp: int = 1, band_tokens: Optional[int] = None) -> list[Layer]:
     """The ViT's training step as a list of layers in forward order (models/vit.py: ViT.forward).
 
     Per token and block, fp32: the block input (saved by norm1), LayerNorm statistics, norm1's
@@ -296,21 +307,33 @@ def vit_training_graph(shape: ViTShape, p: ViTPrecision, kernel: str, ac: str, b
     GELU's output (fc2's input): 16 x D fp32 values + 8 + 4 x heads bytes. Under autocast with fp32
     parameters, q, k and v each cast the LayerNorm output again (three copies, not one: autocast
     caches only leaf weights) and the stream stays fp32.
+
+    Model parallelism (train_mp.py; utils/parallel/plans.py's ViT row): ``tp`` splits the heads and the MLP's
+    hidden units, and (sequence parallelism) the residual stream and the LayerNorms by tokens; the inputs of
+    q, k, v, fc1 and the head are all-gathered over tp, so each rank saves them whole. ``band_tokens``
+    (context parallelism): the tokens of this rank's latitude band; every block works on them, except that
+    the keys and values of all bands are all-gathered (saved whole); the stem runs on the whole field, and the
+    head's output is gathered again for the loss.
     """
     d, hid, a, st, ln = shape.embed_dim, shape.hidden, p.matmul, p.stream, p.norm
     tokens = shape.tokens
-    t = batch * tokens
+    mine = band_tokens or tokens
+    t_all = batch * tokens  # the whole field's tokens (the stem; keys and values under cp)
+    t = batch * mine  # this rank's tokens in the blocks
+    ts = t / tp  # sequence-parallel share: the residual stream and the LayerNorms
     field = batch * shape.in_chans * shape.img_size[0] * shape.img_size[1]  # values in a batch of fields
     casts = 1 if ln == a else 3  # copies of the LayerNorm output that q, k, v save as their input
-    skip = t * d * st  # the residual stream's gradient, waiting while a branch's backward runs
+    skip = ts * d * st  # the residual stream's gradient, waiting while a branch's backward runs
+    heads = shape.num_heads / tp
+    t_kv = t_all if band_tokens else t  # keys and values: gathered from every band under cp
     if kernel == "math":  # scaled q and k, v, the probabilities; proj's input is a copy of the output
-        attention = t * 4 * d * a + batch * shape.num_heads * tokens * tokens * a
+        attention = (2 * t + 2 * t_kv) * d / tp * a + batch * heads * mine * tokens * a
     else:  # q, k, v, the output (proj's input is a view of it) and the fp32 log-sum-exp
-        lse = tokens if kernel != "efficient" else math.ceil(tokens / 32) * 32  # padded to 32 rows
-        attention = t * 4 * d * a + batch * shape.num_heads * lse * 4
+        lse = mine if kernel != "efficient" else math.ceil(mine / 32) * 32  # padded to 32 rows
+        attention = (2 * t + 2 * t_kv) * d / tp * a + batch * heads * lse * 4
 
     graph = [  # patch embedding: the convolution saves its (normalised, cast) input; + position embedding
-        Layer("patch_embed", field * a, t * d * a + field * 4, t * d * a + skip),
+        Layer("patch_embed", field * a, t_all * d * a + field * 4, t_all * d * a + skip),
         Layer("patch_embed", 0.0, skip, 2 * skip),
     ]
     for i in range(shape.depth):
@@ -318,23 +341,26 @@ def vit_training_graph(shape: ViTShape, p: ViTPrecision, kernel: str, ac: str, b
         drop_path = shape.drop_path_rate > 0 and i > 0  # rates linspace(0, r): block 0 has none
         block = [
             # the block input: held by checkpointing, else saved by norm1 (unless it saves an fp32 copy)
-            Layer("blocks", t * d * st if ac == "block" or ln == st else 0.0, unit_input=True),
-            Layer("blocks", t * (p.stats + (d * ln if ln != st else 0)),         # norm1
-                  t * d * ln, t * d * (2 * ln + st) + skip),
-            Layer("blocks", t * casts * d * a, t * 3 * d * a, t * (3 * d * a + d * a + 2 * d * ln) + skip),  # q, k, v
-            Layer("blocks", attention, t * d * a, t * 4 * d * a + skip),                 # SDPA
-            Layer("blocks", 2 * batch * a if drop_path else 0.0, t * d * a, 2 * t * d * a + skip),  # proj, residual
-            Layer("blocks", t * (d * ln + p.stats), t * d * (st + ln), t * d * (a + 2 * ln + st) + skip),  # norm2
-            Layer("blocks", t * d * a, t * hid * a, t * (hid + d) * a + skip),           # fc1: its (cast) input
-            Layer("blocks", t * hid * a, t * hid * a, 2 * t * hid * a + skip),           # GELU: its input
-            Layer("blocks", t * hid * a, t * d * a, t * (hid + d) * a + skip),           # fc2: its input
+            Layer("blocks", ts * d * st if ac == "block" or ln == st else 0.0, unit_input=True),
+            Layer("blocks", ts * (p.stats + (d * ln if ln != st else 0)),         # norm1
+                  ts * d * ln, ts * d * (2 * ln + st) + skip),
+            Layer("blocks", t * casts * d * a, t * 3 * d / tp * a,                  # q, k, v: the gathered input
+                  t * (3 * d / tp * a + d * a) + 2 * ts * d * ln + skip),
+            Layer("blocks", attention, t * d / tp * a, t * 4 * d / tp * a + skip),  # SDPA
+            Layer("blocks", 2 * batch * a if drop_path else 0.0, ts * d * a, 2 * ts * d * a + skip),  # proj, residual
+            Layer("blocks", ts * (d * ln + p.stats), ts * d * (st + ln), ts * d * (a + 2 * ln + st) + skip),  # norm2
+            Layer("blocks", t * d * a, t * hid / tp * a, t * (hid / tp + d) * a + skip),  # fc1: its gathered input
+            Layer("blocks", t * hid / tp * a, t * hid / tp * a, 2 * t * hid / tp * a + skip),  # GELU: its input
+            Layer("blocks", t * hid / tp * a, ts * d * a, t * (hid / tp + d) * a + skip),  # fc2: its input
         ]
         for op in block:
             op.unit = unit
             op.unit_input = op.unit_input and ac == "block"
+            op.stage_unit = i
         graph += block
-    graph += [  # final norm (input, statistics), head (its input); unpatchify and de-normalisation save nothing
-        Layer("head", t * (d * ln + p.stats), t * d * ln, t * d * (a + 2 * ln) + skip),
+    graph += [  # final norm (input, statistics), head (its input, gathered over tp); unpatchify and
+        # de-normalisation save nothing
+        Layer("head", ts * (d * ln + p.stats), ts * d * ln, ts * d * (a + 2 * ln) + skip),
         Layer("head", t * d * a, 2 * field * a + 2 * field * 4, 2 * field * a + 2 * field * 4),
         loss_layer(loss, loss_space, field * 4, batch, shape.in_chans),
     ]

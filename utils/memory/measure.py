@@ -113,7 +113,7 @@ def _model_tensors(model: nn.Module) -> list[torch.Tensor]:
     return list(model.parameters()) + list(model.buffers())
 
 
-def _with_statistics(cfg: Config) -> Config:
+def with_statistics(cfg: Config) -> Config:
     """The config with mean/std 0 and 1 where it leaves them to the data's statistics (the ViT's):
     the same tensors are saved whatever the values."""
     m = cfg.model
@@ -124,7 +124,7 @@ def _with_statistics(cfg: Config) -> Config:
 
 def loss_for(cfg: Config):
     """The loss train.py computes (utils.training.build_loss: train.loss in train.loss_space)."""
-    return build_loss(_with_statistics(cfg))
+    return build_loss(with_statistics(cfg))
 
 
 def _loss_fn(loss):
@@ -331,7 +331,7 @@ def random_batch(cfg: Config, lr_size: Optional[tuple[int, int]] = None, device=
 def build_for_measurement(cfg: Config, device="cpu") -> nn.Module:
     """The config's model on ``device`` with its activation checkpointing applied, as train.py builds it."""
     torch.manual_seed(cfg.train.seed)
-    return apply_ac(build_model(_with_statistics(cfg).model).to(device), cfg.train.ac)
+    return apply_ac(build_model(with_statistics(cfg).model).to(device), cfg.train.ac)
 
 
 def measure_config(cfg: Config, lr_size: Optional[tuple[int, int]] = None, device="cpu") -> MeasuredMemory:

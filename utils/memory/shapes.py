@@ -138,12 +138,26 @@ class SwinIRShape:
         if self.upsampler == "nearest+conv" and s not in (2, 4):
             raise ConfigError(f"upscale {s} is not supported by upsampler 'nearest+conv': use 2 or 4")
 
+    def unsplit_params(self) -> int:
+        """Parameters in tensors whose first dimension is 1, which FSDP2 cannot split: none."""
+        return 0
+
     def fsdp_units(self, unit: str) -> list[int]:
         """Parameters of each FSDP unit: every Swin block, or every RSTB (its blocks and convolution)."""
         if unit == "block":
             return [self.block_params(h)[1] for d, h in zip(self.depths, self.num_heads) for _ in range(d)]
         return [sum(self.block_params(h)[1] for _ in range(d)) + self.rstb_conv_params()[1]
                 for d, h in zip(self.depths, self.num_heads)]
+
+    def pipeline_units(self) -> tuple[list[int], int, int]:
+        """(parameters of each unit a pipeline cuts at: every RSTB, those the first stage keeps before them (the
+        stem), those the last keeps after them (final norm, body convolution, upsampler)): utils/parallel/plans.py."""
+        return self.fsdp_units("layer"), self.stem_params()[1], self.body_params()[1] + self.head_params()[1]
+
+    def tp_split_params(self) -> int:
+        """Parameters tensor parallelism splits over its ranks (utils/parallel/plans.py): every Swin block's but
+        its 2 LayerNorms and proj's and fc2's biases."""
+        return sum(b - 6 * self.embed_dim for b in self.fsdp_units("block"))
 
     def cast_weights(self, ac: str) -> int:
         """Linear/conv weights whose autocast copies stay saved: those used outside checkpointed units."""
@@ -210,6 +224,20 @@ class ViTShape:
         2 LayerNorms x 2, q/k/v weights (and biases), proj, fc1, fc2 x 2."""
         return 6 + self.depth * (10 + 3 * (1 + self.qkv_bias))
 
+    def pipeline_units(self) -> tuple[list[int], int, int]:
+        """(parameters of each transformer block, of the stem (patch and position embeddings), of the tail (final
+        norm, head)): where a pipeline cuts the ViT (utils/parallel/plans.py)."""
+        return [self.block_params()[1]] * self.depth, self.stem_params()[1], self.end_params()[1]
+
+    def tp_split_params(self) -> int:
+        """Parameters tensor parallelism splits over its ranks (utils/parallel/plans.py): every block's but its 2
+        LayerNorms and proj's and fc2's biases, and the head's (column-wise)."""
+        return self.depth * (self.block_params()[1] - 6 * self.embed_dim) + self.end_params()[0]
+
+    def unsplit_params(self) -> int:
+        """Parameters in tensors whose first dimension is 1, which FSDP2 cannot split: the position embedding."""
+        return self.tokens * self.embed_dim
+
     def fsdp_units(self, unit: str) -> list[int]:
         """Parameters of each FSDP unit: every transformer block (the root keeps the rest)."""
         return [self.block_params()[1]] * self.depth
@@ -265,6 +293,10 @@ class UNet3DShape:
 
     def num_param_tensors(self) -> int:
         return 2 * len(self.conv_params())
+
+    def unsplit_params(self) -> int:
+        """Parameters in tensors whose first dimension is 1, which FSDP2 cannot split: none."""
+        return 0
 
     def fsdp_units(self, unit: str) -> list[int]:
         """Parameters of each FSDP unit: every down and up block (the root keeps the last convolution)."""

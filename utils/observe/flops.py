@@ -10,10 +10,12 @@
 
 from __future__ import annotations
 
-import math
 import re
+import statistics
 import sys
 import time
+import warnings
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import psutil
@@ -23,6 +25,17 @@ from torch.utils.flop_counter import FlopCounterMode
 from utils.precision import dtype_of
 
 # ------------------------------------------------------------------------------------- FLOPs, MFU
+
+
+def on_meta(model_fn: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """``model_fn()``'s model on the meta device: shapes without storage, built in no time and no memory."""
+    try:
+        with torch.device("meta"):
+            return model_fn()
+    except (NotImplementedError, RuntimeError):
+        # The constructor read a tensor's values (e.g. torch.linspace(...).tolist()), which meta
+        # tensors do not have: build on the CPU once, then drop the storage.
+        return model_fn().to("meta")
 
 
 def train_flops_per_sample(model_fn: Callable[[], torch.nn.Module], input_shape: Sequence[int]) -> float:
@@ -35,13 +48,7 @@ def train_flops_per_sample(model_fn: Callable[[], torch.nn.Module], input_shape:
     FlopCounterMode counts); element-wise work is left out, as usual for MFU. The input needs no
     gradient, so the first layer's backward computes only its weight gradient.
     """
-    try:
-        with torch.device("meta"):
-            model = model_fn()
-    except (NotImplementedError, RuntimeError):
-        # The constructor read a tensor's values (e.g. torch.linspace(...).tolist()), which meta
-        # tensors do not have: build on the CPU once, then drop the storage.
-        model = model_fn().to("meta")
+    model = on_meta(model_fn)
     sample = torch.empty((1, *input_shape), device="meta")
     model.train()
     with FlopCounterMode(display=False) as counter:
@@ -109,46 +116,85 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_matmul_flops(device, dtype=torch.float32, budget_s: float = 1.0) -> float:
-    """Best FLOP/s of square matmuls on ``device`` within about ``budget_s`` seconds.
+# Below these sides per-call overhead (dispatch, OpenMP start-up, a kernel launch) dominates a matmul's time,
+# so its FLOP/s say nothing of the peak: the probe grows at least this far, however long a small call took.
+MIN_PROBE_SIDE = {"cpu": 512, "cuda": 2048}
+MAX_PROBE_SIDE = {"cpu": 2048, "cuda": 8192}
+BUSY_SPREAD = 2.0  # median / fastest repetition above this: other processes took the cores while we timed
 
-    Grows the side until one matmul takes ~20 ms (or 2048 on CPU, 8192 on GPU), then spends the
-    rest of the budget repeating it: the best repetition is the peak, so a busy machine (other
-    processes preempting ours) lowers the figure less than a single timing would.
-    Uses its own random generator, so the global RNG stream (and hence reproducibility) is untouched.
-    On CPU the result is for the threads torch uses now (torchrun sets OMP_NUM_THREADS=1).
+
+@dataclass(frozen=True)
+class PeakMeasurement:
+    """What :func:`measure_matmul_peak` found: the best FLOP/s, at which side, and whether the machine was busy."""
+
+    flops: float
+    side: int
+    spread: float
+    """Median over fastest time of the repetitions at ``side`` (1.0: every repetition as fast as the best)."""
+    busy: bool
+    """The repetitions were too uneven (spread > BUSY_SPREAD) to trust the figure: another process held the cores."""
+
+    def warning(self) -> str:
+        return (f"the machine was too busy to measure its peak: repeated {self.side}x{self.side} matmuls varied "
+                f"{self.spread:.1f}x (median/fastest), so {self.flops / 1e9:.1f} GFLOP/s may be low and MFU high; "
+                "measure again on an idle machine")
+
+
+def measure_matmul_peak(device, dtype=torch.float32, budget_s: float = 1.0) -> PeakMeasurement:
+    """Best FLOP/s of square matmuls on ``device`` within about ``budget_s`` seconds, and how trustworthy it is.
+
+    Grows the side from 128 until one matmul takes ~20 ms (or MAX_PROBE_SIDE), but never stops below
+    MIN_PROBE_SIDE: a busy machine can make a 128x128 matmul take 24 ms (two OpenMP threads waiting for one
+    core), and stopping there reported 0.15 GFLOP/s for a CPU that does 60. Then it spends the rest of the
+    budget repeating the last size: the best repetition is the peak (preemption only ever slows a repetition
+    down), and the spread of the repetitions says whether the machine was busy. The budget may be exceeded to
+    reach MIN_PROBE_SIDE. Uses its own random generator, so the global RNG stream is untouched. On CPU the
+    result is for the threads torch uses now (torchrun sets OMP_NUM_THREADS=1).
     """
     device = torch.device(device)
     generator = torch.Generator(device=device).manual_seed(0)
-    max_side = 8192 if device.type == "cuda" else 2048
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    min_side, max_side = MIN_PROBE_SIDE[kind], MAX_PROBE_SIDE[kind]
     deadline = time.perf_counter() + budget_s
 
-    def fastest_of(a: torch.Tensor, b: torch.Tensor, repeats: int) -> float:
-        fastest = math.inf
+    def timings(a: torch.Tensor, b: torch.Tensor, repeats: int) -> list[float]:
+        times: list[float] = []
         for repeat in range(repeats):
-            if repeat > 0 and time.perf_counter() > deadline:
+            if repeat > 2 and time.perf_counter() > deadline:  # at least 3: a median and a best
                 break
             _synchronize(device)
             start = time.perf_counter()
             torch.mm(a, b)
             _synchronize(device)
-            fastest = min(fastest, max(time.perf_counter() - start, 1e-9))
-        return fastest
+            times.append(max(time.perf_counter() - start, 1e-9))
+        return times
 
     side = 128
     while True:
         a = torch.randn(side, side, device=device, dtype=dtype, generator=generator)
         b = torch.randn(side, side, device=device, dtype=dtype, generator=generator)
-        fastest = fastest_of(a, b, repeats=4)  # the first includes kernel selection and allocation
+        fastest = min(timings(a, b, repeats=4))  # the first includes kernel selection and allocation
         # The next size costs ~8x as much per matmul.
-        # Below 512 per-call overhead dominates: a busy machine must not stop the growth there.
-        out_of_time = side >= 512 and time.perf_counter() + 8 * fastest * 4 > deadline
-        if fastest > 0.02 or side >= max_side or out_of_time:
+        out_of_time = time.perf_counter() + 8 * fastest * 4 > deadline
+        if side >= max_side or (side >= min_side and (fastest > 0.02 or out_of_time)):
             break
         side *= 2
-    if time.perf_counter() < deadline:
-        fastest = min(fastest, fastest_of(a, b, repeats=20))
-    return 2 * side**3 / fastest
+    times = timings(a, b, repeats=20 if time.perf_counter() < deadline else 3)
+    fastest = min(fastest, *times)
+    spread = statistics.median(times) / fastest
+    return PeakMeasurement(2 * side**3 / fastest, side, spread, spread > BUSY_SPREAD)
+
+
+def measure_matmul_flops(device, dtype=torch.float32, budget_s: float = 1.0) -> float:
+    """:func:`measure_matmul_peak`'s FLOP/s; measured once more with twice the budget if the machine was busy,
+    and a warning if it still was (the better of the two figures is returned)."""
+    peak = measure_matmul_peak(device, dtype, budget_s)
+    if peak.busy:
+        again = measure_matmul_peak(device, dtype, 2 * budget_s)
+        peak = again if again.flops > peak.flops else peak
+        if again.busy:
+            warnings.warn(peak.warning(), RuntimeWarning, stacklevel=2)
+    return peak.flops
 
 
 def device_peak_flops(device, dtype=torch.float32, tf32: Optional[bool] = None) -> float:
@@ -194,7 +240,13 @@ def mfu(flops_per_sample: float, samples_per_sec: float, peak_flops: float) -> f
     """
     if peak_flops <= 0:
         raise ValueError(f"peak_flops must be positive, got {peak_flops}")
-    return flops_per_sample * samples_per_sec / peak_flops
+    value = flops_per_sample * samples_per_sec / peak_flops
+    if value > 1.0:  # a measured peak that the step itself beats was measured on a busy machine: never a figure
+        warnings.warn(f"MFU {100 * value:.0f} % > 100 %: the step ran {value:.1f}x faster than the measured peak "
+                      f"({peak_flops / 1e9:.3g} GFLOP/s), which was measured while the machine was busy; MFU is "
+                      "reported as 100 %, measure the peak again on an idle machine", RuntimeWarning, stacklevel=2)
+        return 1.0
+    return value
 
 
 # ---------------------------------------------------------------------------------------- memory

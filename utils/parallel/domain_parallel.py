@@ -257,14 +257,20 @@ def apply_domain_parallel(model: nn.Module, cp_mesh) -> nn.Module:
     return model
 
 
+def check_band_loss(cfg) -> None:
+    """ConfigError unless the loss is a mean over the field's points, which domain parallelism sums band by band
+    (field_bands checks with it; plan.py enumerates only what it accepts)."""
+    if cfg.train.loss not in ("l1", "mse"):
+        raise ConfigError(f"loss {cfg.train.loss} is not a mean over the field's points, which domain parallelism "
+                          "sums band by band: use --loss l1 or mse with cp")
+
+
 def field_bands(cfg, cp_mesh) -> Optional[FieldBands]:
     """This rank's band when the config's model splits its fields over ``cp_mesh`` (SwinIR with cp > 1), else None
     (the ViT's context parallelism splits tokens inside the model: its ranks read whole fields)."""
     if cp_mesh is None or cp_mesh.size() == 1 or cfg.model.model != "swinir":
         return None
-    if cfg.train.loss not in ("l1", "mse"):
-        raise ConfigError(f"loss {cfg.train.loss} is not a mean over the field's points, which domain parallelism "
-                          "sums band by band: use --loss l1 or mse with cp")
+    check_band_loss(cfg)
     return FieldBands(cp_mesh.get_local_rank(), cp_mesh.size(), cfg.model.window_size, cp_mesh.get_group())
 
 

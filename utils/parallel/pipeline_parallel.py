@@ -69,6 +69,30 @@ def bubble_theory(schedule: str, pp: int, microbatches: int) -> float:
     return (pp - 1) / (v * microbatches + pp - 1)
 
 
+def check_pipeline(cfg, pp: int, replica_batch: int, n_units: int, units_name: str = "units") -> int:
+    """The number of stages of ``cfg``'s pipeline over ``pp`` ranks, or ConfigError for a layout train_pp.py cannot run
+    (Pipeline checks with it; plan.py enumerates only what it accepts). ``n_units``: the model's units to cut."""
+    d = cfg.dist
+    if replica_batch % d.pp_microbatches:
+        raise ConfigError(f"pp_microbatches {d.pp_microbatches} does not divide the {replica_batch} samples each "
+                          f"pipeline takes per step (batch_size / dp): choose a divisor, or another batch_size")
+    if d.pp_schedule == "zbv" and cfg.train.compile:
+        raise ConfigError("zbv splits each backward into an input and a weight half (retain_graph), which "
+                          "torch.compile's backward does not allow in torch 2.15: use --compile false with "
+                          "zbv, or another schedule")
+    if cfg.train.amp_dtype == "fp16":
+        raise ConfigError("train_pp.py: fp16 needs a loss scale inside the pipeline schedule; use --amp_dtype bf16 "
+                          "(no scaling needed) or none")
+    n_stages = pp * STAGES_PER_RANK[d.pp_schedule]
+    if n_stages > n_units:
+        raise ConfigError(f"{n_stages} pipeline stages (pp {pp} x {STAGES_PER_RANK[d.pp_schedule]} for "
+                          f"{d.pp_schedule}) but the {units_name} are only {n_units} units to cut: "
+                          "use a smaller pp, or a deeper model (SwinIR: more RSTBs in --depths)")
+    if d.pp_split and (len(d.pp_split) != n_stages or sum(d.pp_split) != n_units):
+        raise ConfigError(f"pp_split {d.pp_split} must give units for each of the {n_stages} stages, {n_units} in all")
+    return n_stages
+
+
 def balanced_split(costs: list[int], n_stages: int, first_extra: int = 0, last_extra: int = 0) -> list[int]:
     """Units per stage: contiguous runs of ``costs`` minimising the largest stage's total (the first
     stage also carries ``first_extra``, the last ``last_extra``); ties go to the earliest cut."""
@@ -191,29 +215,12 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, cfg, pp_mesh, device: torch.device, loss_fn: Callable, replica_batch: int):
         d = cfg.dist
-        if replica_batch % d.pp_microbatches:
-            raise ConfigError(f"pp_microbatches {d.pp_microbatches} does not divide the {replica_batch} samples each "
-                              f"pipeline takes per step (batch_size / dp): choose a divisor, or another batch_size")
         plan = plan_for(model)
-        if d.pp_schedule == "zbv" and cfg.train.compile:
-            raise ConfigError("zbv splits each backward into an input and a weight half (retain_graph), which "
-                              "torch.compile's backward does not allow in torch 2.15: use --compile false with "
-                              "zbv, or another schedule")
-        if cfg.train.amp_dtype == "fp16":
-            raise ConfigError("train_pp.py: fp16 needs a loss scale inside the pipeline schedule; use --amp_dtype bf16 "
-                              "(no scaling needed) or none")
+        units = getattr(model, plan.units)
         self.device, self.schedule_name, self.microbatches = device, d.pp_schedule, d.pp_microbatches
         self.pp, self.pp_rank, self.group = pp_mesh.size(), pp_mesh.get_local_rank(), pp_mesh.get_group()
-        self.n_stages = self.pp * STAGES_PER_RANK[d.pp_schedule]
-        units = getattr(model, plan.units)
-        if self.n_stages > len(units):
-            raise ConfigError(f"{self.n_stages} pipeline stages (pp {self.pp} x {STAGES_PER_RANK[d.pp_schedule]} for "
-                              f"{d.pp_schedule}) but the {type(model).__name__} has only {len(units)} units to cut "
-                              f"({plan.units}): use a smaller pp, or a deeper model (SwinIR: more RSTBs in --depths)")
+        self.n_stages = check_pipeline(cfg, self.pp, replica_batch, len(units), f"{type(model).__name__}'s {plan.units}")
         if d.pp_split:
-            if len(d.pp_split) != self.n_stages or sum(d.pp_split) != len(units):
-                raise ConfigError(f"pp_split {d.pp_split} must give units for each of the {self.n_stages} stages, "
-                                  f"{len(units)} in all")
             self.split = list(d.pp_split)
         else:
             count = lambda names: sum(p.numel() for name in names if hasattr(model, name)  # noqa: E731

@@ -1,0 +1,169 @@
+"""The step time of a layout: compute, plus the communication the compute does not hide, plus the pipeline bubble.
+
+    step = compute + exposed communication (+ the bubble of a pipeline)
+
+* compute = FLOPs per sample (forward + backward, utils/observe/flops.py; x 4/3 with activation checkpointing,
+  which runs each forward twice) x global batch / GPUs / (peak x efficiency), the peak of the layout's precision
+  and the cluster's efficiency for the model and precision (config/clusters/clusters.yaml);
+* each layout's collectives with their bytes, timed by the ring model of utils/plan/comm.py at the bandwidth of the
+  links they cross (tensor parallelism stays in a node; the dp groups cross the network when there are several
+  nodes, sharing each node's NICs with the other dp groups of that node);
+* the overlap rules (what is hidden behind what):
+  - DDP: each gradient bucket's all-reduce runs during the rest of backward; the last bucket, and whatever
+    exceeds backward (2/3 of the compute), is exposed (benchmarks/scaling.py's model, 2-12 % from measurements);
+  - FSDP / HSDP: the parameter all-gathers (forward, and again in backward when resharded) and the gradient
+    reduce-scatters (and HSDP's all-reduce across replicas) run one unit ahead of the compute: exposed are the
+    first unit's all-gather and the last unit's reduce-scatter, or all that exceeds the compute;
+  - tensor parallelism (all-gathers and reduce-scatters around every attention and MLP, or SwinIR's all-reduces),
+    context parallelism (the keys and values gathered in every block, their gradients reduce-scattered; SwinIR's
+    halo rows) and the pipeline's sends between stages sit between dependent operations: never hidden;
+  - pipeline: the bubble (p - 1) / (v m + p - 1) of utils/parallel/pipeline_parallel.py stretches the compute
+    (ZB-V's counted as interleaved 1F1B's);
+    the gradients are all-reduced across pipelines after the last microbatch: exposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from utils.memory.shapes import SwinIRShape, ViTShape, lr_input_size, model_shape
+from utils.parallel.pipeline_parallel import bubble_theory
+from utils.plan.clusters import Cluster
+from utils.plan.comm import ddp_buckets, node_busbw, predict_step, ring_allgather_seconds, ring_allreduce_seconds
+from utils.plan.layouts import PRECISIONS, Layout
+
+MiB = 2**20
+AC_RECOMPUTE = 4 / 3  # a step is ~3 forwards of FLOPs (forward + backward twice its size); AC adds one forward
+BACKWARD_SHARE = 2 / 3
+
+
+@dataclass
+class Speed:
+    """Predicted step of one layout (seconds), and what bounds it."""
+
+    compute_s: float
+    comm_s: float  # all the communication of a step
+    exposed_s: float  # the part the compute does not hide
+    bubble_s: float
+    step_s: float
+    samples_per_sec: float
+    efficiency: float  # ideal step (perfect scaling of one GPU's compute, no recomputation) / step
+    terms: dict  # seconds per collective kind
+
+    def limited_by(self, ac_extra_s: float) -> str:
+        overheads = {"network": self.exposed_s, "bubble": self.bubble_s, "recompute": ac_extra_s}
+        name, seconds = max(overheads.items(), key=lambda kv: kv[1])
+        return name if seconds > 0.15 * self.step_s else "compute"
+
+
+def precision_key(layout: Layout) -> str:
+    return "bf16" if PRECISIONS[layout.precision][0] == "bf16" else "fp32"
+
+
+def predict_speed(layout: Layout, cfg, cluster: Cluster, flops_per_sample: float, grad_bytes: list[int]) -> Speed:
+    """The step of ``layout`` (its config ``cfg``) on ``cluster``: see the module docstring for each term.
+    ``grad_bytes``: fp32 gradient bytes per parameter tensor, in the order backward produces them."""
+    key = precision_key(layout)
+    rate = cluster.peak_flops[key] * cluster.efficiency_of(cfg.model.model, key)
+    world, batch = layout.world, layout.batch_size
+    ideal = flops_per_sample * batch / world / rate
+    compute = ideal * (AC_RECOMPUTE if layout.ac != "none" else 1.0)
+    g = cluster.gpus_per_node
+    nodes = max(1, world // g)
+    lat = cluster.latency_s
+    model_parallel = layout.tp * layout.cp * layout.pp
+    # The dp groups: one ring over all GPUs (DDP, FSDP), or one per model-parallel position, sharing the NICs.
+    dp_bw = node_busbw(nodes, g, cluster.intra_bw, cluster.inter_bw / min(model_parallel, g))
+    inner = cluster.intra_bw if layout.tp * layout.cp <= g else cluster.inter_bw / g  # tp x cp groups
+    act_bytes = 2 if key == "bf16" else 4
+    param_bytes = 2 if PRECISIONS[layout.precision][1] == "bf16" else 4
+    shape = model_shape(cfg.model)
+    grads = sum(grad_bytes)
+    terms: dict[str, float] = {}
+
+    if layout.strategy == "ddp":
+        p = predict_step(compute, BACKWARD_SHARE * compute, ddp_buckets(grad_bytes, cfg.dist.bucket_cap_mb * MiB),
+                         world, dp_bw, lat)
+        terms["gradient all-reduce"] = p["comm_s"]
+        exposed_dp = p["exposed_s"]
+    elif layout.strategy in ("fsdp", "hsdp", "mp"):
+        shard = world // layout.tp if layout.strategy != "hsdp" else g
+        units = max(1, len(shape.fsdp_units(cfg.dist.fsdp_unit)))
+        params = grads / 4 / layout.tp  # parameters per tp rank (an upper bound: some stay whole)
+        bw = dp_bw if layout.strategy != "hsdp" else cluster.intra_bw
+        gathers = 2 if cfg.dist.reshard_after_forward else 1
+        ag = gathers * ring_allgather_seconds(params * param_bytes, shard, bw, lat * units)
+        rs = ring_allgather_seconds(params * 4, shard, bw, lat * units)  # reduce-scatter: the same ring steps
+        terms["parameter all-gather"], terms["gradient reduce-scatter"] = ag, rs
+        comm = ag + rs
+        if layout.strategy == "hsdp":
+            terms["replica all-reduce"] = ring_allreduce_seconds(params * 4 / shard, layout.hsdp_replicas,
+                                                                 node_busbw(nodes, g, cluster.intra_bw,
+                                                                            cluster.inter_bw / g), lat)
+            comm += terms["replica all-reduce"]
+        exposed_dp = max((ag / gathers + rs) / units, comm - compute)
+    else:  # one device, or a pipeline (below)
+        exposed_dp = 0.0
+
+    exposed = exposed_dp
+    replica_batch = batch // layout.dp
+    if layout.tp > 1 or layout.cp > 1:
+        exposed += _model_parallel(layout, shape, cfg, replica_batch, act_bytes, inner, lat, terms)
+    bubble = 0.0
+    if layout.pp > 1:
+        # ZB-V's zero bubble assumes equal forward, input- and weight-gradient times (bench_pp.py measured 5-18 % idle
+        # at pp 2): counted as interleaved 1F1B's, the other two-stages-per-rank schedule.
+        schedule = "interleaved_1f1b" if layout.pp_schedule == "zbv" else layout.pp_schedule
+        b = bubble_theory(schedule, layout.pp, layout.pp_microbatches)
+        bubble = compute * b / (1 - b)
+        boundary = _boundary_bytes(shape, cfg, layout.micro_batch, act_bytes)
+        sends = 2 * (layout.pp - 1) * (boundary / cluster.intra_bw + lat)  # fill and drain, forward and backward
+        reduce = ring_allreduce_seconds(grads / layout.pp, layout.dp, dp_bw, lat)
+        terms["stage sends"], terms["pipeline gradient all-reduce"] = sends, reduce
+        exposed += sends + reduce
+    comm = sum(terms.values())
+    step = compute + bubble + exposed
+    return Speed(compute, comm, exposed, bubble, step, batch / step, ideal / step, terms)
+
+
+def _model_parallel(layout: Layout, shape, cfg, replica_batch: int, a: int, bw: float, lat: float,
+                    terms: dict) -> float:
+    """Seconds of tensor- and context-parallel collectives per step (never hidden: see the module docstring)."""
+    tp, cp = layout.tp, layout.cp
+    seconds = 0.0
+    if isinstance(shape, ViTShape):
+        tokens = replica_batch * shape.tokens
+        stream = tokens / cp * shape.embed_dim * a  # this cp rank's tokens, gathered over tp
+        if tp > 1:  # sequence parallelism: per block 2 all-gathers + 2 reduce-scatters forward, as many backward
+            terms["tp all-gather/reduce-scatter"] = 8 * shape.depth * ring_allgather_seconds(stream, tp, bw, lat)
+            seconds += terms["tp all-gather/reduce-scatter"]
+        if cp > 1:  # keys and values of all bands gathered forward, their gradients reduce-scattered backward
+            kv = tokens * shape.embed_dim / tp * a
+            field = replica_batch * shape.in_chans * shape.img_size[0] * shape.img_size[1] * 4
+            terms["cp key/value gather"] = 4 * shape.depth * ring_allgather_seconds(kv, cp, bw, lat) \
+                + 2 * ring_allgather_seconds(field, cp, bw, lat)
+            seconds += terms["cp key/value gather"]
+    elif isinstance(shape, SwinIRShape):
+        height, width = lr_input_size(cfg)
+        stream = replica_batch * height * width / cp * shape.embed_dim * a
+        if tp > 1:  # no sequence parallelism: per Swin block 2 all-reduces forward, 2 backward
+            terms["tp all-reduce"] = 4 * shape.num_blocks * ring_allreduce_seconds(stream, tp, bw, lat)
+            seconds += terms["tp all-reduce"]
+        if cp > 1:  # halo rows: 1 per 3x3 convolution, half a window per shifted block, both ways, fwd + bwd
+            row = replica_batch * width * shape.embed_dim * a
+            convs = len(shape.depths) + 2
+            shifted = sum(d // 2 for d in shape.depths)
+            exchanges = 4 * (convs + shifted)
+            terms["cp halo exchange"] = exchanges * lat + 4 * (convs + shifted * shape.window / 2) * row / bw
+            seconds += terms["cp halo exchange"]
+    return seconds
+
+
+def _boundary_bytes(shape, cfg, micro: int, a: int) -> float:
+    """Bytes a stage sends the next one per microbatch: the ViT's tokens, SwinIR's features and its long skip."""
+    if isinstance(shape, ViTShape):
+        return micro * shape.tokens * shape.embed_dim * a
+    if isinstance(shape, SwinIRShape):
+        height, width = lr_input_size(cfg)
+        return 2 * micro * height * width * shape.embed_dim * 4
+    return 0.0
