@@ -241,10 +241,11 @@ def mfu(flops_per_sample: float, samples_per_sec: float, peak_flops: float) -> f
     if peak_flops <= 0:
         raise ValueError(f"peak_flops must be positive, got {peak_flops}")
     value = flops_per_sample * samples_per_sec / peak_flops
-    if value > 1.0:  # a measured peak that the step itself beats was measured on a busy machine: never a figure
+    if value > 1.0:  # a peak that the step itself beats is wrong: never a figure
         warnings.warn(f"MFU {100 * value:.0f} % > 100 %: the step ran {value:.1f}x faster than the measured peak "
-                      f"({peak_flops / 1e9:.3g} GFLOP/s), which was measured while the machine was busy; MFU is "
-                      "reported as 100 %, measure the peak again on an idle machine", RuntimeWarning, stacklevel=2)
+                      f"({peak_flops / 1e9:.3g} GFLOP/s), which is too low: measured while the machine was busy, or "
+                      "for matmuls in a precision the step mostly does not compute in (fp16 on a CPU); MFU is "
+                      "reported as 100 %", RuntimeWarning, stacklevel=2)
         return 1.0
     return value
 
