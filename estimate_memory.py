@@ -25,9 +25,10 @@ always its whole img_size field (no crops, no --field); its activation checkpoin
 FSDP unit are the transformer block (``ac: layer`` is SwinIR's RSTB, an error for the ViT).
 For SwinIR, --cp N (train_mp.py's domain parallelism) estimates the rank holding the largest band of
 each field: the cp ranks of a field share its samples, FSDP2 shards over all --world_size ranks.
-For the ViT, --cp N (its token bands) estimates the rank holding the largest band. Tensor and pipeline
-parallelism are modelled too (utils/memory/estimate.py), for plan.py, which ranks every layout by them; this
-script leaves --tp and --pp to it (`python plan.py --config NAME --cluster this-machine --nodes 1`).
+For the ViT, --cp N (its token bands) estimates the rank holding the largest band. --tp N (train_mp.py's
+tensor parallelism) and --pp N with --pp_schedule and --pp_microbatches (train_pp.py) estimate the rank that
+holds the most; --world_size counts every rank (dp = world_size / (tp x cp x pp)). plan.py ranks every layout
+by these estimates (`python plan.py --config NAME --cluster this-machine --nodes 1`).
 The U-Net's input is its crop_size³ crop; its units are its down and up blocks (one convolution each).
 See utils/memory/estimate.py for the model of each term, and which terms are exact or approximate;
 benchmarks/validate_memory_estimate.py compares the estimate with measurements.
@@ -78,6 +79,10 @@ def format_table(estimate: MemoryEstimate) -> str:
     ranks = f"{s['world_size']} rank{'s' if s['world_size'] > 1 else ''}, strategy {s['strategy']}"
     if "cp" in s:
         ranks += f", each field in {s['cp']} bands (cp)"
+    if s.get("tp", 1) > 1:
+        ranks += f", each block split over {s['tp']} ranks (tp)"
+    if s.get("pp", 1) > 1:
+        ranks += f", {s['pp']} pipeline stages ({s['pp_schedule']}, {s['pp_microbatches']} microbatches)"
     model = s.get("model", "SwinIR")
     lines = [f"{model} training memory estimate — config {s['config']}: {s['num_params']:,} parameters, {ranks}"]
     if model == "ViT":

@@ -6,6 +6,7 @@ from unittest import mock
 
 import pytest
 
+import estimate_memory
 from utils.config import (APPLIED_BY, CHECKED_SCRIPTS, KEYS, SECTIONS, ConfigError, build_config, field_docs,
                           load_named_configs, parse_config)
 from tests.conftest import REPO, exit_in_one_process
@@ -85,15 +86,17 @@ def test_script_defaults_sit_below_the_named_config_and_the_command_line():
 
 
 @pytest.mark.parametrize("script, args, owner", [
-    ("train.py", ["--config", "vit_quickstart", "--tp", "2"], "--tp 2 is applied by train_mp.py only; train.py would"),
+    ("train.py", ["--config", "vit_quickstart", "--tp", "2"],
+     "--tp 2 is applied by train_mp.py and estimate_memory.py only; train.py would"),
     ("train_ddp.py", ["--cp", "2"], "--cp 2 is applied by train_mp.py and estimate_memory.py only; train_ddp.py"),
-    ("train_pp.py", ["--pp", "2", "--tp", "2"], "--tp 2 is applied by train_mp.py only; train_pp.py would"),
+    ("train_pp.py", ["--pp", "2", "--tp", "2"],
+     "--tp 2 is applied by train_mp.py and estimate_memory.py only; train_pp.py would"),
     ("train_fsdp.py", ["--bucket_cap_mb", "50"], "--bucket_cap_mb 50.0 is applied by train_ddp.py only"),
     ("train_mp.py", ["--hsdp_replicas", "2"], "--hsdp_replicas 2 is applied by train_fsdp.py and estimate_memory.py"),
     ("train.py", ["--profile", "true"], "--profile true is applied by train_with_profiling.py only; train.py would"),
     ("train_with_profiling.py", ["--dist_timeout_s", "60"], "--dist_timeout_s 60.0 is applied by train_ddp.py and"),
-    ("estimate_memory.py", ["--config", "vit_mp", "--tp", "4", "--world_size", "4", "--strategy", "fsdp"],
-     "estimate_memory.py does not model --tp 4 (train_mp.py applies it): estimate without it"),
+    ("estimate_memory.py", ["--config", "vit_mp", "--pp", "2", "--pp_dp", "ddp", "--world_size", "4"],
+     "estimate_memory.py does not model --pp_dp ddp (train_pp.py applies it): estimate without it"),
 ])
 def test_a_key_the_script_would_ignore_is_refused_in_one_line(capsys, tmp_path, script, args, owner):
     code, err = exit_in_one_process(capsys, script, *args, "--run_dir", str(tmp_path / "run"))
@@ -110,11 +113,13 @@ def test_keys_at_their_defaults_pass_and_the_table_names_real_keys_and_scripts()
         assert parse_config("", [], script_defaults={"profile": True}).profile.profile is True
 
 
-def test_the_vit_cp_is_estimated_as_its_token_bands():
-    proc = subprocess.run([sys.executable, "estimate_memory.py", "--config", "vit_mp", "--cp", "4", "--world_size", "4",
-                           "--strategy", "fsdp"], cwd=REPO, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    assert "4 ranks, strategy fsdp, each field in 4 bands (cp)" in proc.stdout.splitlines()[0]
+@pytest.mark.parametrize("layout, said", [(["--cp", "4"], "each field in 4 bands (cp)"),
+                                          (["--tp", "2"], "each block split over 2 ranks (tp)"),
+                                          (["--pp", "2", "--pp_microbatches", "4"],
+                                           "2 pipeline stages (1f1b, 4 microbatches)")])
+def test_the_model_parallel_layouts_are_estimated_as_themselves(capsys, layout, said):
+    assert estimate_memory.main(["--config", "vit_mp", *layout, "--world_size", "4", "--strategy", "fsdp"]) == 0
+    assert f"4 ranks, strategy fsdp, {said}" in capsys.readouterr().out.splitlines()[0]
 
 
 def test_under_torchrun_only_rank_0_prints_a_config_error(capsys, monkeypatch):

@@ -544,9 +544,10 @@ APPLIED_BY: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(["fsdp_unit", "param_dtype", "reduce_dtype"], (_FSDP, _MP, _PP, _ESTIMATE)),
     "reshard_after_forward": (_FSDP, _MP, _ESTIMATE),  # train_pp.py keeps parameters gathered through a step
     "hsdp_replicas": (_FSDP, _ESTIMATE),  # train_mp.py and train_pp.py shard over their own dp meshes
-    **dict.fromkeys(["tp", "parallel_order"], (_MP,)),
+    "tp": (_MP, _ESTIMATE), "parallel_order": (_MP,),
     "cp": (_MP, _ESTIMATE),
-    **dict.fromkeys(["pp", "pp_schedule", "pp_microbatches", "pp_split", "pp_dp"], (_PP,)),
+    **dict.fromkeys(["pp", "pp_schedule", "pp_microbatches"], (_PP, _ESTIMATE)),
+    **dict.fromkeys(["pp_split", "pp_dp"], (_PP,)),
     "dist_timeout_s": (_DDP, _FSDP, _MP, _PP),
     "ckpt_async": (_FSDP, _MP, _PP),
     **dict.fromkeys([f.name for f in dataclasses.fields(ProfileConfig)], ("train_with_profiling.py",)),
