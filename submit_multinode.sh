@@ -16,7 +16,9 @@
 # limit (--signal below; change the lead with sbatch --signal=B:USR1@SECONDS); the training run then
 # checkpoints the step it is on and stops (exit code 75), and the job requeues itself to continue from
 # that checkpoint (a training script gets --resume auto unless its arguments set --resume), at most
-# MAX_REQUEUES times. scancel or a preemption (SIGTERM) also checkpoints and stops the run, without requeue.
+# MAX_REQUEUES times. --signal=USR1@SECONDS without B: (SIGUSR1 to the run's processes, not this shell) does
+# the same: torchrun runs through launch.py, which handles it. scancel or a preemption (SIGTERM) also
+# checkpoints and stops the run, without requeue.
 #SBATCH --job-name=era5-multinode
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
@@ -40,7 +42,8 @@ NPROC_PER_NODE=${NPROC_PER_NODE:-auto}
 CPU_NPROC_PER_NODE=${CPU_NPROC_PER_NODE:-2}
 # Rendezvous port on the first node; derived from the job id so that jobs sharing a host do not collide.
 RDZV_PORT=${RDZV_PORT:-$((29500 + ${SLURM_JOB_ID:-0} % 1000))}
-# torchrun on every node, or python: a single process without torchrun (what submit_singlegpu.sh sets).
+# torchrun on every node (through launch.py, which adds SIGUSR1 to the signals it handles), or python: a single
+# process without torchrun (what submit_singlegpu.sh sets).
 LAUNCHER=${LAUNCHER:-torchrun}
 # How often a job may requeue itself after a stop before its time limit (SLURM_RESTART_COUNT counts them).
 MAX_REQUEUES=${MAX_REQUEUES:-10}
@@ -48,7 +51,8 @@ MAX_REQUEUES=${MAX_REQUEUES:-10}
 # continue from the newest checkpoint. Bad input, a diverged loss or a full disk are not retried.
 MAX_RESTARTS=${MAX_RESTARTS:-3}
 # Restarted workers must not read the previous attempt's addresses from torchrun's own store, which they
-# share by default and which then fails their connections now and then (PyTorch issue 135712).
+# share by default and which then fails their connections now and then (PyTorch issue 135712); the training
+# scripts also look at that store under a prefix of each attempt's own (utils/parallel/distributed.py).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 
 case "$SITE" in
@@ -113,7 +117,7 @@ activate_python_env() {
   set -u
 }
 [[ -z $PYTHON_ENV ]] || activate_python_env
-command -v "$LAUNCHER" >/dev/null || die "$LAUNCHER not found: set PYTHON_ENV to an environment with PyTorch"
+command -v python >/dev/null || die "python not found: set PYTHON_ENV to an environment with PyTorch"
 
 gpus_per_node=${SLURM_GPUS_ON_NODE:-0}
 [[ $LAUNCHER == torchrun || $LAUNCHER == python ]] || die "LAUNCHER=$LAUNCHER is not one of torchrun, python"
@@ -149,7 +153,9 @@ trap 'stop_run USR1' USR1
 trap 'stop_run TERM' TERM
 
 finish() {  # $1: the run's exit status
-  if [[ $stop_signal == USR1 ]]; then
+  # Stopped (75) without a signal to this shell: the run's processes got the time limit's SIGUSR1 themselves
+  # (--signal=USR1@N without B:); scancel JOBID and preemption signal this shell too.
+  if [[ $stop_signal == USR1 || ( -z $stop_signal && $1 == 75 ) ]]; then
     local restarts=${SLURM_RESTART_COUNT:-0}
     if ((restarts >= MAX_REQUEUES)); then
       echo "error: job $SLURM_JOB_ID reached its time limit $((restarts + 1)) times (MAX_REQUEUES=$MAX_REQUEUES):" \
@@ -212,7 +218,7 @@ echo "running: $*"
 # srun does not pass sbatch's CPU count on to the step (Slurm >= 22.05): give each node task all of them.
 srun --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" \
   --kill-on-bad-exit=1 \
-  torchrun \
+  python launch.py \
   --nnodes="$SLURM_JOB_NUM_NODES" \
   --nproc-per-node="$NPROC_PER_NODE" \
   --rdzv-backend=c10d \

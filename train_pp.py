@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from models import build_model
-from utils.checkpoint import TrainState, checkpoint_to_resume, prepare_run_dir
+from utils.checkpoint import TrainState, load_newest, prepare_run_dir
 from utils.config import parse_config
 from utils.data import build_loaders
 from utils.memory.measure import SavedTensorBytes
@@ -81,9 +81,10 @@ def main():
     scaler = make_grad_scaler(device, tcfg.amp_dtype)
     state = TrainState()
     ckpt_dir = f"{tcfg.run_dir}/checkpoints"
-    latest = checkpoint_to_resume(ckpt_dir, tcfg.resume, sharded=True)  # None: start fresh
+    latest, resumed = load_newest(ckpt_dir, tcfg.resume, sharded=True, load=lambda path: load_sharded_checkpoint(
+        path, model, optimizer, scheduler, scaler, cfg))  # (None, None): start fresh
     if latest:
-        state = load_sharded_checkpoint(latest, model, optimizer, scheduler, scaler, cfg)
+        state = resumed
         log0(f"resumed from {latest} at step {state.step}")
     prepare_run_dir(tcfg.run_dir, latest is not None)  # writable, and no other run's outputs unless resuming
     logger = MetricsLogger(tcfg.run_dir, enabled=env.is_main, console=tqdm.write, channel_names=task.channel_names,

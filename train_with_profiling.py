@@ -21,7 +21,7 @@ from torch.profiler import record_function
 from tqdm import tqdm
 
 from models import build_model
-from utils.checkpoint import TrainState, checkpoint_to_resume, load_checkpoint, prepare_run_dir, save_checkpoint
+from utils.checkpoint import TrainState, load_checkpoint, load_newest, prepare_run_dir, save_checkpoint
 from utils.config import parse_config
 from utils.data import build_loaders
 from utils.observe.flops import device_peak_flops, mfu, peak_memory_gb, reset_peak_memory, train_flops_per_sample
@@ -66,9 +66,10 @@ def main():
     loss_fn = build_loss(cfg)
     state = TrainState()
     ckpt_dir = f"{tcfg.run_dir}/checkpoints"
-    latest = checkpoint_to_resume(ckpt_dir, tcfg.resume)  # None: start fresh
+    latest, resumed = load_newest(ckpt_dir, tcfg.resume, load=lambda path: restore_payload(
+        load_checkpoint(path, device), raw_model, optimizer, scheduler, scaler, cfg, path))  # (None, None): start fresh
     if latest:
-        state = restore_payload(load_checkpoint(latest, device), raw_model, optimizer, scheduler, scaler, cfg, latest)
+        state = resumed
         print(f"resumed from {latest} at step {state.step}")
     prepare_run_dir(tcfg.run_dir, latest is not None)  # writable, and no other run's outputs unless resuming
     logger = MetricsLogger(tcfg.run_dir, console=tqdm.write, channel_names=task.channel_names,

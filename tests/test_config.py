@@ -46,6 +46,12 @@ def test_merge_from_base_and_overrides():
     ({"amp_dtype": "fp8"}, "not one of"),
     ({"crop_size": 63}, "divisible by upscale"),
     ({"depths": [2, 2, 2]}, "same length"),
+    # The long-run keys: a timeout or an interval that cannot work is one line, not a traceback at the first step
+    ({"dist_timeout_s": 0}, "dist_timeout_s must be > 0, got 0"),
+    ({"dist_timeout_s": float("nan")}, "dist_timeout_s must be > 0, got nan"),
+    ({"log_every": 0}, "log_every must be > 0, got 0"),
+    ({"ckpt_every_minutes": float("inf")}, "ckpt_every_minutes must be >= 0, got inf"),
+    ({"keep_checkpoints": -1}, "keep_checkpoints must be >= 0, got -1"),
 ])
 def test_bad_values(overrides, message):
     with pytest.raises(ConfigError, match=message):

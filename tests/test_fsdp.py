@@ -5,6 +5,7 @@ several tests; resumes start from copies of the FSDP run's checkpoints. The rest
 a one-rank process group.
 """
 
+import re
 
 import pytest
 import torch
@@ -243,3 +244,19 @@ def test_single_file_checkpoints_and_bad_export_are_one_line_errors(tmp_path, ca
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "not a complete DCP checkpoint" in err
     assert not list(tmp_path.glob("*.pt")) and not list(tmp_path.glob(".tmp-*"))
+
+
+def test_resume_auto_steps_over_a_dcp_checkpoint_missing_a_shard(runs, tiny_data, tmp_path):
+    # A DCP folder that has its metadata but lost a rank's shard (a file system that failed under one node):
+    # --resume auto sets it aside and continues from the one before, to the uninterrupted run's weights.
+    run = resume_from(runs["fsdp"], 9, tmp_path / "run")
+    newest = resume_from(runs["fsdp"], 10, tmp_path / "copy") / "checkpoints" / "step_00000010"
+    newest = newest.rename(run / "checkpoints" / newest.name)
+    (newest / "__1_0.distcp").unlink()
+    proc = run_script("train_fsdp.py", *tiny_args(tiny_data, run, *STEPS, "--resume", "auto"), ranks=2)
+    assert re.search(rf"warning: checkpoint {newest} is damaged \(FileNotFoundError: No such file or directory: "
+                     rf"__1_0.distcp\): set aside as damaged-step_00000010; resuming from the one before it\n"
+                     rf"resumed from \S+step_00000009 at step 9", proc.stdout), proc.stdout[-3000:]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["damaged-step_00000010", "step_00000009",
+                                                                       "step_00000010"]
+    assert_same_weights(exported(run, 10)["model"], weights_at(runs["single"], 10))

@@ -164,9 +164,10 @@ def release_requeued_job(client: dict, job_id: str) -> None:
 
 
 def submit_and_signal_usr1(slurm_cluster, script: str, run: Path, args: list[str], env: dict,
-                           options=()) -> tuple[str, str]:
+                           options=(), to_batch_shell: bool = True) -> tuple[str, str]:
     """Submit ``script`` and, once the run has logged a training step, send the batch shell SIGUSR1 as
-    ``sbatch --signal=B:USR1@LEAD`` does before the time limit. A job that requeues itself is made eligible
+    ``sbatch --signal=B:USR1@LEAD`` does before the time limit (``to_batch_shell=False``: every process of the
+    job's steps instead, as ``--signal=USR1@LEAD`` without ``B:`` does). A job that requeues itself is made eligible
     at once (SLURM holds a requeued job back for about two minutes). Returns the job's final state
     (COMPLETED, FAILED, ...) and its output, every segment's (the job scripts append)."""
     client = slurm_cluster.client_env()
@@ -179,7 +180,8 @@ def submit_and_signal_usr1(slurm_cluster, script: str, run: Path, args: list[str
         time.sleep(0.05)
     job_id = subprocess.run(["squeue", "--noheader", "--format=%i"], env=client, capture_output=True, text=True,
                             timeout=30).stdout.split()[0]
-    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=client, check=True, timeout=30)
+    subprocess.run(["scancel", *(["--batch"] if to_batch_shell else []), "--signal=USR1", job_id], env=client,
+                   check=True, timeout=30)
     state, output, ended = "UNKNOWN", None, None
     while time.monotonic() < deadline:
         show = subprocess.run(["scontrol", "show", "job", job_id], env=client, capture_output=True, text=True,
@@ -203,19 +205,23 @@ def submit_and_signal_usr1(slurm_cluster, script: str, run: Path, args: list[str
     return state, Path(output).read_text(errors="replace")
 
 
-@pytest.mark.parametrize("script, extra", [("train_ddp.py", ()), ("train_fsdp.py", ("--ckpt_async", "true"))])
+@pytest.mark.parametrize("script, extra, to_batch_shell", [("train_ddp.py", (), True),
+                                                            ("train_fsdp.py", ("--ckpt_async", "true"), False)])
 def test_a_job_stopped_before_its_time_limit_requeues_itself_and_ends_as_one_run(slurm_cluster, tiny_data, tmp_path,
-                                                                                  script, extra):
+                                                                                  script, extra, to_batch_shell):
     # 2 nodes x 2 ranks: SIGUSR1 -> every rank checkpoints the same step and stops -> the job requeues itself ->
     # the same job continues from that checkpoint (--resume auto, added by the job script) to the weights of an
-    # uninterrupted train.py run. train_fsdp.py writes its DCP checkpoints in the background (--ckpt_async).
+    # uninterrupted train.py run. train_fsdp.py writes its DCP checkpoints in the background (--ckpt_async), and
+    # gets the signal as --signal=USR1@N without B: sends it: to torchrun (launch.py) and its workers.
     reference, run = tmp_path / "reference", tmp_path / "run"
     run_script("train.py", *tiny_args(tiny_data, reference, *LONG_RUN), in_process=True)
     state, output = submit_and_signal_usr1(slurm_cluster, "submit_multinode.sh", run,
-                                           [script, *tiny_args(tiny_data, run, *LONG_RUN, *extra)], job_env())
+                                           [script, *tiny_args(tiny_data, run, *LONG_RUN, *extra)], job_env(),
+                                           to_batch_shell=to_batch_shell)
     assert state == "COMPLETED", output[-6000:] + slurm_cluster.log_tail(40)
-    stop = re.search(r"stopped at step (\d+) by SIGTERM: checkpoint (\S+);", output)
-    assert stop and "SIGUSR1 received" in output, output[-6000:]
+    stop = re.search(rf"stopped at step (\d+) by {'SIGTERM' if to_batch_shell else 'SIGUSR1'}: checkpoint (\S+);",
+                     output)
+    assert stop and ("SIGUSR1 received" in output) == to_batch_shell, output[-6000:]
     # The job script told the run its time limit (30 minutes, submit_multinode.sh's #SBATCH --time).
     left = re.search(r"; the stop took [\d.]+ s of the (\d+) s left before the job's time limit", output)
     assert left and 1500 < int(left[1]) <= 1800, output[-6000:]

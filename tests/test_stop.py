@@ -5,8 +5,8 @@ time limit), sent to one process of a run, stops every rank after the same step;
 checkpoint and exits 75 with one line, and `--resume auto` continues it to the weights of an uninterrupted
 run: bit-identical for train.py and train_ddp.py, within the fp32 tolerance of the equivalence tests for the
 sharded train_fsdp.py. train_with_profiling.py, train_mp.py and train_pp.py stop the same way (exit code,
-line, the checkpoint of that step). A rank killed under `torchrun --max-restarts` is restarted with the
-others and the run ends with the uninterrupted weights; bad input is not retried.
+line, the checkpoint of that step). Bad input is not retried by `torchrun --max-restarts`; a rank that dies or
+stops answering is (tests/test_hang.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 from tests.conftest import (REFERENCE_STEPS, REPO, read_metrics, resume_from, run_script, stop_mid_run, tiny_args,
                             vit_args, weights_at)
-from tests.test_ddp import assert_same_weights, rank_pid, train_losses
+from tests.test_ddp import assert_same_weights, train_losses
 from tests.test_fsdp import exported
 from tests.test_train import check_error
 from utils.stopping import END_TIME_VARIABLE, EXIT_STOPPED
@@ -75,10 +75,37 @@ def test_a_lead_shorter_than_a_checkpoint_write_is_named(tiny_data, tmp_path, mo
                      stopped.stdout)
 
 
-def test_a_signal_to_one_ddp_rank_stops_both_and_resumes_exactly(tiny_data, ddp_reference_run, tmp_path):
+def test_a_signal_to_the_whole_launch_stops_torchrun_and_its_workers_with_a_checkpoint(tiny_data, ddp_reference_run,
+                                                                                       tmp_path):
+    # SIGUSR1 to launch.py's process group, torchrun and its workers alike (sbatch --signal=USR1@N without B:):
+    # torchrun, which dies of SIGUSR1 by itself, passes it on; every rank checkpoints the same step; exit 75 all
+    # the way up; --resume auto continues to the uninterrupted weights, bit for bit.
     run = tmp_path / "run"
     args = tiny_args(tiny_data, run, *REFERENCE_STEPS)
-    stopped_at(stop_mid_run(["train_ddp.py", *args], run, ranks=2, signum=signal.SIGUSR1, to_rank=1), "SIGUSR1")
+    job = subprocess.Popen([sys.executable, "launch.py", "--standalone", "--nproc-per-node", "2", "train_ddp.py",
+                            *args], cwd=REPO, env=RESTARTABLE, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           start_new_session=True)
+    try:
+        metrics, deadline = run / "metrics.jsonl", time.monotonic() + 120
+        while not (metrics.exists() and '"kind": "train"' in metrics.read_text()):
+            assert job.poll() is None and time.monotonic() < deadline, "no training step logged"
+            time.sleep(0.01)
+        workers = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True,
+                                                      text=True).stdout.split()]
+        for pid in workers:  # paused around the signal: it lands mid-run, whatever the machine's speed
+            os.kill(pid, signal.SIGSTOP)
+        os.killpg(job.pid, signal.SIGUSR1)
+        for pid in workers:
+            os.kill(pid, signal.SIGCONT)
+        output, _ = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == EXIT_STOPPED, output[-3000:]
+    stopped = STOPPED.findall(output)
+    assert len(stopped) == 1 and stopped[0][1] == "SIGUSR1", output[-3000:]
+    assert ("launch.py: SIGUSR1: the workers were asked to checkpoint their step and stop; continue with the same "
+            "command and --resume auto (exit code 75)") in output
     run_script("train_ddp.py", *args, "--resume", "auto", ranks=2)
     assert_identical(weights_at(run, 10), weights_at(ddp_reference_run, 10))
     assert train_losses(run) == train_losses(ddp_reference_run)
@@ -155,7 +182,27 @@ def test_resume_auto_starts_fresh_in_an_empty_folder_and_refuses_another_runs_fo
     check_error(proc.returncode, proc.stderr, 2, "resume: expected true, false or auto, got 'maybe'")
 
 
-# ------------------------------------------------------------------ a lost rank: torchrun restarts the workers
+def test_resume_auto_sets_a_damaged_newest_checkpoint_aside_and_resume_true_refuses(tiny_data, reference_run,
+                                                                                    tmp_path):
+    # A job killed while the file system was failing may leave a newest checkpoint that does not load: a person
+    # who asked for it (--resume true) is told; a self-requeueing chain (--resume auto) steps over it.
+    run = resume_from(reference_run, 9, tmp_path / "run")
+    newest = run / "checkpoints" / "step_00000010.pt"
+    newest.write_bytes((reference_run / "checkpoints" / newest.name).read_bytes()[:4096])
+    args = tiny_args(tiny_data, run, *REFERENCE_STEPS)
+    proc = run_script("train.py", *args, "--resume", "true", in_process=True, check=False)
+    check_error(proc.returncode, proc.stderr, 2, f"error: checkpoint {newest} is damaged (corrupt or truncated: "
+                "RuntimeError): delete it and resume from the previous one (step_00000009.pt), or resume with "
+                "--resume auto, which sets it aside itself")
+    proc = run_script("train.py", *args, "--resume", "auto", in_process=True)
+    assert (f"warning: checkpoint {newest} is damaged (corrupt or truncated: RuntimeError): set aside as "
+            f"damaged-step_00000010.pt; resuming from the one before it\nresumed from {newest.parent}/step_00000009.pt "
+            "at step 9\n") in proc.stdout, proc.stdout
+    assert (run / "checkpoints" / "damaged-step_00000010.pt").stat().st_size == 4096  # kept, not deleted
+    assert_identical(weights_at(run, 10), weights_at(reference_run, 10))
+
+
+# ------------------------------------------------------------------ under torchrun: a lost rank (tests/test_hang.py)
 
 
 RESTARTABLE = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # as the job script
@@ -166,35 +213,6 @@ def torchrun(*args: str, max_restarts: int) -> list[str]:
             f"--max-restarts={max_restarts}", *args]
 
 
-@pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp.py"])
-def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_nothing_happened(script, tiny_data, reference_run,
-                                                                            ddp_reference_run, tmp_path):
-    # SIGKILL (an OOM kill, a crash) of rank 1 at step 3 or soon after: torchrun restarts both workers, which
-    # continue from the newest checkpoint (--resume auto, as the job script adds it) to the uninterrupted weights.
-    run, sharded = tmp_path / "run", script == "train_fsdp.py"
-    args = tiny_args(tiny_data, run, *REFERENCE_STEPS, "--ckpt_every", "1", "--keep_checkpoints", "20",
-                     "--resume", "auto")
-    job = subprocess.Popen(torchrun(script, *args, max_restarts=1), cwd=REPO, text=True, env=RESTARTABLE,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while not (run / "checkpoints" / ("step_00000003" if sharded else "step_00000003.pt")).exists():
-            assert job.poll() is None and time.monotonic() < deadline, "the run ended before the kill"
-            time.sleep(0.002)
-        os.kill(rank_pid(job.pid, rank=1), signal.SIGKILL)
-        output, _ = job.communicate(timeout=240)
-    finally:
-        if job.poll() is None:
-            job.kill()
-    assert job.returncode == 0, output[-4000:]
-    resumed = re.findall(r"resumed from \S+step_(\d+)(?:\.pt)? at step (\d+)", output)
-    assert len(resumed) == 1 and 3 <= int(resumed[0][1]) < 10, output[-4000:]
-    if sharded:  # within the fp32 tolerance of the equivalence tests, as an uninterrupted train_fsdp.py run
-        assert_same_weights(exported(run, 10)["model"], weights_at(reference_run, 10))
-    else:
-        assert_identical(weights_at(run, 10), weights_at(ddp_reference_run, 10))
-
-
 def test_bad_input_is_not_retried(tiny_data, tmp_path):
     # A batch the ranks cannot share: exit 2 on the first attempt, and torchrun is asked to stop, not to restart.
     proc = subprocess.run(torchrun("train_ddp.py", *tiny_args(tiny_data, tmp_path / "run", "--batch_size", "3"),
@@ -202,25 +220,3 @@ def test_bad_input_is_not_retried(tiny_data, tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=180, env=RESTARTABLE)
     assert proc.returncode != 0
     assert (proc.stdout + proc.stderr).count("error: batch_size 3 is the global batch") == 1, proc.stderr[-4000:]
-
-
-# ------------------------------------------------------------------ a rank that stops answering
-
-
-@pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp.py"])
-def test_a_rank_that_stops_answering_ends_the_others_with_one_line_and_stacks(script, tiny_data, tmp_path):
-    # Rank 1 frozen (SIGSTOP) mid-run: rank 0 waits in a collective until dist_timeout_s, writes its stack at
-    # the deadline and ends with one line naming the collective and the rank that did not arrive.
-    run = tmp_path / "run"
-    args = tiny_args(tiny_data, run, "--max_steps", "1000", "--log_every", "1", "--val_every", "0",
-                     "--dist_timeout_s", "5")
-    proc = stop_mid_run([script, *args], run, ranks=2, signum=signal.SIGSTOP, to_rank=1)
-    assert proc.returncode == [1], proc.stdout[-3000:]
-    assert proc.ended_after < 5 + 15, proc.ended_after  # the timeout, 2 s for the others to report, start-up slack
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("[rank 0] error:")]
-    assert len(lines) == 1 and "Traceback" not in proc.stdout, proc.stdout[-3000:]
-    assert re.fullmatch(r"\[rank 0\] error: .+ \((train_ddp|train_fsdp|utils/\S+|models/\S+)\.py:\d+: .+\) timed out "
-                        r"after 5 s: rank 1 did not arrive; each rank's Python stack at the deadline is in <run_dir>/stacks/",
-                        lines[0]), lines[0]
-    stack = (run / "stacks" / "rank0.txt").read_text()
-    assert "Thread" in stack and script in stack, stack

@@ -25,14 +25,16 @@ import contextlib
 import dataclasses
 import errno
 import os
+import pickle
 import random
 import re
 import shutil
 import tempfile
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import numpy as np
 import torch
@@ -50,6 +52,11 @@ STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO})
 # wrote through a Python file object, so the message itself must be recognised too.
 _TORCH_WRITE_FAILED = re.compile(r"unexpected pos|file write failed|failed writing")
 TEMP_PREFIX = ".tmp-step_"
+DAMAGED_PREFIX = "damaged-"
+"""A checkpoint that did not load under --resume auto is renamed to this prefix + its name (kept, not deleted)."""
+_UNREADABLE = (OSError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile)
+_UNREADABLE_WORDS = re.compile(r"read failed|truncated|Ran out of input|PytorchStreamReader|unexpected EOF|corrupt")
+"""What torch.load and DCP's readers say of bytes that are not there or not what was written."""
 WRAPPER_COMPONENTS = frozenset({"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 """Key components added by DDP / DataParallel, torch.compile, activation checkpointing and FSDP1."""
 
@@ -61,6 +68,19 @@ _CONTAINER_TYPES = (dict, collections.OrderedDict, list, tuple, set)
 
 class CheckpointError(RuntimeError):
     """A checkpoint problem, reported as one line that says what to do."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint that cannot be read (truncated, corrupt, a DCP folder missing shards): ``--resume auto`` sets
+    it aside and resumes from the one before (:func:`load_newest`)."""
+
+    def __init__(self, path, reason: str):
+        previous = [p.name for _, p in checkpoints_by_step(Path(path).parent, sharded=Path(path).is_dir())
+                    if p != Path(path)]
+        hint = f"resume from the previous one ({previous[-1]})" if previous else "start the run again"
+        super().__init__(f"checkpoint {path} is damaged ({reason}): delete it and {hint}, or resume with "
+                         "--resume auto, which sets it aside itself")
+        self.path, self.reason = Path(path), reason
 
 
 class StorageError(CheckpointError):
@@ -432,6 +452,74 @@ def checkpoint_to_resume(ckpt_dir, resume, sharded: bool = False) -> Optional[Pa
     raise CheckpointError(f"--resume: no checkpoint in {ckpt_dir}; run without --resume to start fresh")
 
 
+Loaded = TypeVar("Loaded")
+
+
+def load_newest(ckpt_dir, resume, load: Callable[[Path], Loaded], sharded: bool = False
+                ) -> tuple[Optional[Path], Optional[Loaded]]:
+    """(the checkpoint a run continues from, what ``load(path)`` made of it), or (None, None) for a fresh start.
+
+    The checkpoint is :func:`checkpoint_to_resume`'s. Under ``--resume auto`` (what a self-requeueing job or a
+    torchrun restart adds, with no human to read an error) one that does not load (DamagedCheckpointError, on any
+    rank) is set aside as ``damaged-<name>`` with a warning, and the one before it is tried; ``--resume true``
+    (a human asked for this run's newest) keeps the refusal. A checkpoint of another model is refused either way.
+    Collective under torchrun: every rank takes the same decision.
+    """
+    while True:
+        path = checkpoint_to_resume(ckpt_dir, resume, sharded)
+        if path is None:
+            return None, None
+        damage, loaded = None, None
+        try:
+            loaded = load(path)
+        except DamagedCheckpointError as error:
+            damage = error
+        if not _any_rank(damage is not None):
+            return path, loaded
+        damage = damage or DamagedCheckpointError(path, "another rank could not read its part")
+        if resume != "auto":
+            raise damage
+        aside = path.with_name(DAMAGED_PREFIX + path.name)
+        if _rank() == 0:
+            os.replace(path, aside)
+            print(f"warning: checkpoint {path} is damaged ({damage.reason}): set aside as {aside.name}; resuming "
+                  "from the one before it", flush=True)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()  # the next look at the folder sees it set aside
+
+
+def _any_rank(flag: bool) -> bool:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        flags = [False] * dist.get_world_size()
+        dist.all_gather_object(flags, flag)  # objects: the right device for NCCL's group too
+        return any(flags)
+    return flag
+
+
+def damage_in(error: BaseException) -> Optional[str]:
+    """"Type: message" of the error behind ``error`` that says the bytes are not readable (a missing or
+    truncated file, a corrupt pickle or zip), else None (e.g. a checkpoint of another model). Looks through
+    the causes, and into DCP's CheckpointException, which carries each rank's error."""
+    seen: list[BaseException] = []
+    todo = [error]
+    while todo:
+        current = todo.pop()
+        if current is None or any(current is e for e in seen):
+            continue
+        seen.append(current)
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):  # DCP's CheckpointException: {rank: (exception, traceback)}; its own text
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]  # quotes theirs
+        elif isinstance(current, _UNREADABLE) or _UNREADABLE_WORDS.search(str(current)):
+            said = str(current).splitlines()[0] if str(current) else ""
+            if isinstance(current, OSError) and current.filename:  # the file's name; its folder is the checkpoint
+                said = f"{current.strerror}: {Path(current.filename).name}"
+            text = f"{type(current).__name__}: {said}"
+            return text if len(text) <= 160 else text[:157] + "..."
+        todo += [current.__cause__, current.__context__]
+    return None
+
+
 def load_checkpoint(path, map_location="cpu", weights_only: bool = True) -> dict:
     """Load a checkpoint written by :func:`save_checkpoint`; CheckpointError if missing or corrupt."""
     path = Path(path)
@@ -449,11 +537,7 @@ def load_checkpoint(path, map_location="cpu", weights_only: bool = True) -> dict
                 f"checkpoint {path} holds a {foreign.group(1)}, which torch.load(weights_only=True) refuses; "
                 "if you trust the file, load it with weights_only=False"
             ) from None
-        previous = [p.name for _, p in checkpoints_by_step(path.parent) if p != path]
-        hint = f"resume from the previous one ({previous[-1]})" if previous else "start the run again"
-        raise CheckpointError(
-            f"checkpoint {path} is corrupt or truncated ({type(error).__name__}): delete it and {hint}"
-        ) from None
+        raise DamagedCheckpointError(path, f"corrupt or truncated: {type(error).__name__}") from None
 
 
 def capture_rng_state() -> dict:

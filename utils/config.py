@@ -198,7 +198,7 @@ class TrainConfig:
     """DCP checkpoints (train_fsdp/mp/pp.py): copy this step's shards to CPU memory and write them in the background
     while training goes on (dcp.async_save); the next save, or the run's end, waits for the write."""
     keep_checkpoints: int = 2
-    """Most recent checkpoints kept on disk."""
+    """Most recent checkpoints kept on disk; 0 keeps every one."""
     run_dir: str = "runs/default"
     """Folder for metrics.jsonl, TensorBoard events, checkpoints, samples and profiles."""
     resume: typing.Union[bool, Literal["auto"]] = False
@@ -255,7 +255,8 @@ class DistConfig:
     pp_dp: Literal["fsdp", "ddp"] = "fsdp"
     """train_pp.py: how pipelines are data-parallel: FSDP2 (kept gathered during the step) or DDP."""
     dist_timeout_s: float = 300.0
-    """Collective timeout in seconds: a job whose peer died fails instead of hanging."""
+    """Seconds a rank waits for the others (more than a step and a checkpoint write take): a collective that
+    outlives it fails, and a step that lasts 1.5 times as long ends its rank whatever it waits for."""
 
 
 @dataclass
@@ -439,16 +440,15 @@ def build_config(name: str, overrides: Optional[dict[str, Any]] = None, path: Op
 def validate(cfg: Config) -> None:
     """Value checks that types alone do not catch (checks against the data: utils.data.era5.resolve_from_data)."""
     d, m, t = cfg.data, cfg.model, cfg.train
-    positive = {"batch_size": t.batch_size, "upscale": m.upscale, "window_size": m.window_size, "lead": d.lead,
-                "embed_dim": m.embed_dim, "in_chans": m.in_chans, "n_patches": d.n_patches, "patch_size": m.patch_size,
-                "out_chans": m.out_chans}
-    for key, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"{key} must be > 0, got {value}")
-    for key in ("max_steps", "epochs", "log_every", "val_every", "ckpt_every", "ckpt_every_minutes", "num_workers", "train_samples", "val_samples", "val_batch_size", "crop_size"):
-        value = {**dataclasses.asdict(d), **dataclasses.asdict(t)}[key]
-        if value < 0:
-            raise ConfigError(f"{key} must be >= 0, got {value}")
+    values = {**dataclasses.asdict(m), **dataclasses.asdict(d), **dataclasses.asdict(t), **dataclasses.asdict(cfg.dist)}
+    for key in ("batch_size", "upscale", "window_size", "lead", "embed_dim", "in_chans", "n_patches", "patch_size",
+                "out_chans", "log_every", "dist_timeout_s"):
+        if not 0 < values[key] < math.inf:  # NaN too
+            raise ConfigError(f"{key} must be > 0, got {values[key]}")
+    for key in ("max_steps", "epochs", "val_every", "ckpt_every", "ckpt_every_minutes", "keep_checkpoints",
+                "num_workers", "train_samples", "val_samples", "val_batch_size", "crop_size"):
+        if not 0 <= values[key] < math.inf:
+            raise ConfigError(f"{key} must be >= 0, got {values[key]}")
     if t.max_steps == 0 and t.epochs == 0:
         raise ConfigError("set epochs > 0 or max_steps > 0")
     if d.task == "sr" and d.crop_size and d.crop_size % m.upscale:

@@ -40,6 +40,7 @@ from utils.observe.pictures import save_forecast_png, save_sample_png, save_volu
 from utils.observe.scores import ACCAccumulator, L1Accumulator, RMSEAccumulator, bicubic_upsample, latitude_weights
 from utils.parallel.domain_parallel import BICUBIC_REACH, gather_bands, halo
 from utils.precision import autocast
+from utils.stopping import heartbeat
 
 
 @dataclass
@@ -82,6 +83,7 @@ class Task:
         accumulators, sample, seen = None, None, 0
         padding_mask = getattr(loader.sampler, "padding_mask", None)
         for inputs, target in loader:
+            heartbeat()  # a long validation is not a hang (utils.stopping.StepWatchdog)
             inputs, target = inputs.to(device, non_blocking=True), target.to(device, non_blocking=True)
             with autocast(device, amp_dtype):  # every rank runs every batch: FSDP gathers in lockstep
                 pred = model(inputs)

@@ -230,16 +230,17 @@ def run_cli(main: Callable[[], Optional[int]]) -> None:
     except Exception as error:
         stop_watching()  # SIGTERM back to its default: the failing-rank logic below relies on it
         env = read_dist_env()
+        timeout = describe_timeout(error)
+        if timeout:  # a rank stopped answering: a failure worth a restart (exit 1), said by rank 0 if it is alive
+            line, missing = timeout
+            if env.rank != 0 and 0 not in missing:
+                _wait_to_be_stopped()
+            print(f"[rank {env.rank}] error: {line}", file=sys.stderr, flush=True)
+            exit_process(1)
         lost_a_peer = isinstance(error, getattr(torch.distributed, "DistNetworkError", ())) or any(
             words in str(error) for words in PEER_LOST)
         if env.world_size > 1 and (env.rank != 0 or lost_a_peer):
-            sys.stdout.flush()
-            signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # stopped as asked: the failing rank reports
-            time.sleep(RANK_ERROR_GRACE_S)
-        timeout = describe_timeout(error)
-        if timeout:  # a rank stopped answering: a failure worth a restart (exit 1), in one line per rank
-            print(f"[rank {env.rank}] error: {timeout}", file=sys.stderr, flush=True)
-            exit_process(1)
+            _wait_to_be_stopped()
         code = next((value for kind, value in EXIT_CODES.items() if isinstance(error, kind)), None)
         if code is None:
             raise  # a bug: its traceback
@@ -251,6 +252,13 @@ def run_cli(main: Callable[[], Optional[int]]) -> None:
             os.kill(os.getppid(), signal.SIGTERM)
         exit_process(code)
     exit_process(code or 0)
+
+
+def _wait_to_be_stopped() -> None:
+    """A rank whose failure another rank reports: stay silent for RANK_ERROR_GRACE_S, until torchrun stops it."""
+    sys.stdout.flush()
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # stopped as asked: the failing rank reports
+    time.sleep(RANK_ERROR_GRACE_S)
 
 
 def exit_process(code: int) -> None:

@@ -149,14 +149,42 @@ def init_distributed(timeout_s: float = 300.0) -> tuple[DistEnv, torch.device]:
                 "launched by srun without torchrun: export MASTER_ADDR (first host of the "
                 "allocation) and MASTER_PORT, or launch with torchrun"
             )
-    dist.init_process_group(
-        backend=backend,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        device_id=device if device.type == "cuda" else None,
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend=backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
+                            **_attempt_store(env, timeout))
+    _bound_later_groups(timeout)
     global _joined_job
     _joined_job = True
     return env, device
+
+
+def _attempt_store(env: DistEnv, timeout: datetime.timedelta) -> dict:
+    """init_process_group's store for a worker that torchrun restarted: the agent's own store (which torchrun
+    shares with its workers unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) seen under a prefix of its own.
+
+    That store outlives the workers, and PyTorch assumes a new one per attempt: without the prefix, a restarted
+    worker reads the previous attempt's addresses and keys, and its connections fail now and then (PyTorch
+    issue 135712; reproduced here: "Gloo connectFullMesh failed ... Connection refused" after a restart), or the
+    live ranks' notes of an earlier timeout make a missing rank look present. {} (torch's env:// default) when
+    the store is not torchrun's, or on a first attempt, whose keys are fresh.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt == "0":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world_size,
+                          is_master=False, timeout=timeout)
+    return {"store": dist.PrefixStore(f"attempt_{attempt}", store), "rank": env.rank, "world_size": env.world_size}
+
+
+def _bound_later_groups(timeout: datetime.timedelta) -> None:
+    """Give every process group made from now on the job's timeout, not PyTorch's default (30 min for gloo,
+    10 min for NCCL): init_device_mesh makes its dimensions' groups (HSDP, tp, cp, pp) without one, and has no
+    argument that would pass it (its pg options are backend-specific). PyTorch has no public setting for the
+    default; new_group reads it from this module variable (torch 2.6 onwards)."""
+    c10d = dist.distributed_c10d
+    c10d.default_pg_timeout = timeout
+    if hasattr(c10d, "default_pg_nccl_timeout"):
+        c10d.default_pg_nccl_timeout = timeout
 
 
 def mp_mesh_layout(world_size: int, tp: int, cp: int, order: str = "tp-cp-dp") -> tuple[tuple[int, ...], tuple[str, ...]]:

@@ -24,6 +24,7 @@ import math
 import os
 import shutil
 import sys
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -39,9 +40,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from utils.checkpoint import (DCP_METADATA, TEMP_PREFIX, CheckpointError, StorageError, TrainState, capture_rng_state,
-                              check_model_settings, checkpoint_to_resume, checkpoints_by_step, ensure_writable_dir,
-                              fsync_dir, note_write_time, replaced_atomically, restore_rng_state, write_failure)
+from utils.checkpoint import (DCP_METADATA, TEMP_PREFIX, CheckpointError, DamagedCheckpointError, StorageError,
+                              TrainState, capture_rng_state, check_model_settings, checkpoint_to_resume,
+                              checkpoints_by_step, damage_in, ensure_writable_dir, fsync_dir, note_write_time,
+                              replaced_atomically, restore_rng_state, write_failure)
 from utils.config import ConfigError
 from utils.parallel.distributed import barrier, ensure_process_group
 from utils.parallel.plans import ac_units
@@ -222,8 +224,10 @@ def save_sharded_checkpoint(ckpt_dir, step: int, payload: dict, keep: int = 2, a
 
     ``asynchronous``: ``dcp.async_save`` copies the shards to CPU memory now (so the checkpoint holds this
     step's values, whatever the next steps do to the parameters) and writes them in a background thread
-    while training goes on; the folder is renamed by the next save or by :func:`finish_sharded_checkpoint`,
-    which the scripts call before they report the run's end. At most one save is in flight.
+    while training goes on; rank 0 renames the folder as soon as the write is complete (DCP writes the metadata
+    after every rank's shards), so a run that dies later resumes from it. The next save, or
+    :func:`finish_sharded_checkpoint` (which the scripts call before they report the run's end), waits for that.
+    At most one save is in flight.
     """
     global _pending
     finish_sharded_checkpoint()
@@ -239,9 +243,9 @@ def save_sharded_checkpoint(ckpt_dir, step: int, payload: dict, keep: int = 2, a
     try:
         if asynchronous:
             future = dcp.async_save(payload, checkpoint_id=temp, process_group=_background_group())
-            done_at: list[float] = []  # when the background write ended: its time, without the steps beside it
-            future.add_done_callback(lambda _: done_at.append(time.monotonic()))
-            _pending = (future, temp, final, keep, started, done_at)
+            written = _Written(temp, final, keep)
+            future.add_done_callback(written)
+            _pending = (future, written, started)
             return final
         dcp.save(payload, checkpoint_id=temp)
     except (OSError, CheckpointException) as error:
@@ -251,7 +255,26 @@ def save_sharded_checkpoint(ckpt_dir, step: int, payload: dict, keep: int = 2, a
     return final
 
 
-_pending: Optional[tuple] = None  # (future, hidden folder, final folder, keep, start, end) of a save in flight
+_pending: Optional[tuple] = None  # (future, its _Written, start time) of the save in flight
+
+
+class _Written:
+    """The done-callback of an asynchronous save (it runs in DCP's background thread): the time the write ended,
+    and on rank 0 the folder put in place at once (the error, if that fails, is raised by finish)."""
+
+    def __init__(self, temp: Path, final: Path, keep: int):
+        self.temp, self.final, self.keep = temp, final, keep
+        self.ended, self.error, self.done = None, None, threading.Event()
+
+    def __call__(self, future) -> None:
+        self.ended = time.monotonic()
+        try:
+            if future.exception() is None and _is_main():
+                _put_in_place(self.temp, self.final, self.keep)
+        except OSError as error:
+            self.error = error
+        finally:
+            self.done.set()
 _checkpoint_groups: dict = {}  # default process group -> the gloo group its asynchronous saves use
 
 
@@ -272,14 +295,18 @@ def finish_sharded_checkpoint() -> Optional[Path]:
     global _pending
     if _pending is None:
         return None
-    (future, temp, final, keep, started, done_at), _pending = _pending, None
+    (future, written, started), _pending = _pending, None
     try:
         future.result()
+        if not written.done.wait(timeout=600):  # result() may return before the callback has run (a rename)
+            raise OSError(f"putting {written.final.name} in place took over 600 s")
+        if written.error is not None:
+            raise written.error
     except (OSError, CheckpointException) as error:
-        raise _write_failure(error, temp, final) from None
-    note_write_time((done_at[0] if done_at else time.monotonic()) - started)  # the callback may run just after
-    _publish(temp, final, keep)
-    return final
+        raise _write_failure(error, written.temp, written.final) from None
+    note_write_time(written.ended - started)  # the write's own time, without the steps beside it
+    barrier()  # nobody runs ahead (or exits) before the checkpoint is in place
+    return written.final
 
 
 def _write_failure(error: BaseException, temp: Path, final: Path) -> CheckpointError:
@@ -295,32 +322,44 @@ def _write_failure(error: BaseException, temp: Path, final: Path) -> CheckpointE
 
 
 def _publish(temp: Path, final: Path, keep: int) -> None:
-    """Rank 0 renames the hidden folder once every rank's shards are on disk, and prunes older checkpoints."""
+    """Rank 0 puts the hidden folder in place once every rank's shards are on disk."""
     barrier()  # every rank's shards are on disk
     if _is_main():
-        if final.exists():  # a step saved by an earlier run in the same folder
-            shutil.rmtree(final)
-        os.replace(temp, final)
-        fsync_dir(final.parent)
-        if keep >= 1:
-            older = [path for _, path in checkpoints_by_step(final.parent, sharded=True) if path != final]
-            for path in older[: max(0, len(older) - (keep - 1))]:
-                shutil.rmtree(path, ignore_errors=True)
+        _put_in_place(temp, final, keep)
     barrier()  # nobody runs ahead (or exits) before the checkpoint is in place
+
+
+def _put_in_place(temp: Path, final: Path, keep: int) -> None:
+    """Rename the complete hidden folder to its final name, and prune older checkpoints (rank 0)."""
+    if final.exists():  # a step saved by an earlier run in the same folder
+        shutil.rmtree(final)
+    os.replace(temp, final)
+    fsync_dir(final.parent)
+    if keep >= 1:
+        older = [path for _, path in checkpoints_by_step(final.parent, sharded=True) if path != final]
+        for path in older[: max(0, len(older) - (keep - 1))]:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def load_sharded_checkpoint(path, model, optimizer, scheduler, scaler, cfg=None) -> TrainState:
     """Load a DCP checkpoint into the already sharded model and its optimizer (any rank count); collective.
     With ``cfg``, first check that it builds the same model (one line naming the keys that differ)."""
-    if cfg is not None:
-        saved = {"config": ""}
-        dcp.load(saved, checkpoint_id=path)  # the config alone: one small entry
-        check_model_settings(json.loads(saved["config"] or "{}"), cfg, path)
     payload = sharded_payload(model, optimizer, scheduler, scaler, TrainState())
     try:
+        if cfg is not None:
+            saved = {"config": ""}
+            dcp.load(saved, checkpoint_id=path)  # the config alone: one small entry
+            check_model_settings(json.loads(saved["config"] or "{}"), cfg, path)
         dcp.load(payload, checkpoint_id=path)
-    except CheckpointException as error:
-        raise CheckpointError(f"checkpoint {path} does not fit this model or is damaged ({_first_line(error)}): "
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as error:  # DCP's is a BaseException
+        damage = damage_in(error)
+        if damage:
+            raise DamagedCheckpointError(path, damage) from None
+        if not isinstance(error, CheckpointException):
+            raise
+        raise CheckpointError(f"checkpoint {path} does not fit this model ({_first_line(error)}): "
                               "resume with the config that wrote it, or start without --resume") from None
     set_state_dict(model, optimizer, model_state_dict=payload["model"], optim_state_dict=payload["optimizer"])
     scheduler.load_state_dict(payload["scheduler"])

@@ -1,0 +1,47 @@
+"""torchrun, for runs that must stop on a signal sent to the whole job step: the same command line and options.
+
+    python launch.py --nproc-per-node 4 train_ddp.py --config baseline      # = torchrun --nproc-per-node 4 ...
+
+A stop request (SIGUSR1 or SIGTERM: utils.stopping) makes the training scripts checkpoint the step they are on
+and exit 75. `sbatch --signal=USR1@N` without `B:`, the form most sites' pages show, and `scancel --signal=USR1
+JOBID` send SIGUSR1 to every process of the job's steps, torchrun included; torchrun handles SIGTERM, SIGINT,
+SIGHUP and SIGQUIT (it passes them on to its workers) but dies at once of SIGUSR1, its default action, and its
+workers are then killed before their checkpoint is written. Here torchrun runs in this process with SIGUSR1
+handled as it handles the others: it passes the signal on, waits for the workers to stop (on torch >= 2.15 up
+to TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds, 600 here rather than 30, as a checkpoint takes a while to write;
+torch 2.6-2.14 wait 30 s), and this launcher exits 75 as they do, instead of torchrun's traceback. Everything
+else, restarts included, is torchrun's. The job scripts (submit_multinode.sh) launch with it.
+"""
+
+import os
+import signal
+import sys
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.run import main as torchrun
+
+from utils.stopping import EXIT_STOPPED
+
+SHUTDOWN_TIMEOUT_S = 600
+"""How long torchrun waits for its workers to stop before it kills them (torch >= 2.15 reads it)."""
+
+
+def _stop(signum, _frame) -> None:
+    # What torchrun's own handler does for the signals it knows: its agent then stops the workers with this signal.
+    raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+
+def main() -> None:
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
+    # Set before torchrun starts its workers; torchrun (re)sets handlers only for the signals it knows.
+    signal.signal(signal.SIGUSR1, _stop)
+    try:
+        torchrun(sys.argv[1:])
+    except SignalException as stop:
+        print(f"launch.py: {stop.sigval.name}: the workers were asked to checkpoint their step and stop; continue "
+              f"with the same command and --resume auto (exit code {EXIT_STOPPED})", file=sys.stderr, flush=True)
+        sys.exit(EXIT_STOPPED)
+
+
+if __name__ == "__main__":
+    main()
