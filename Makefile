@@ -102,8 +102,8 @@ $(VOLUME_DATA)/valid.h5: | $(VENV)/.installed
 train-unet: $(VENV)/.installed data-unet
 	$(PY) train.py --config unet3d_quickstart
 
-# Test dependencies beyond pip (slurm-wlm, munge, shellcheck) come from apt when running as root; the converter's
-# readers and real fields (tests/test_convert.py) from PyPI.
+# Test dependencies beyond pip (slurm-wlm, munge, shellcheck, ferret-datasets) come from apt when running as root;
+# the converter's readers and real fields (tests/test_convert.py) from PyPI.
 test: $(VENV)/.installed $(VENV)/.installed-data real-data
 	bash tests/install_slurm.sh
 	$(VENV)/bin/lint-imports --no-logo

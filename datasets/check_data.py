@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 from utils.config import ConfigError, parse_config  # noqa: E402
 from utils.data import build_loaders  # noqa: E402
 from utils.data.common import DataError  # noqa: E402
+from utils.data.era5 import lead_time, scan_split  # noqa: E402
 
 
 def data_files(cfg) -> list[Path]:
@@ -54,8 +55,12 @@ def main() -> int:
         return 2
     print("\n".join(lines))
     total = sum(path.stat().st_size for path in files) / 1e9
+    lead = ""
+    if cfg.data.task == "forecast":  # the lead in the data's own unit ("6 h", "1 month")
+        step = scan_split(Path(cfg.data.data_dir) / cfg.data.train_split)[0].step
+        lead = f" (forecast lead {lead_time(step, cfg.data.lead)})"
     print(f"ok: {cfg.data.data_dir} holds what --config {cfg.name} reads: {len(train.dataset)} training and "
-          f"{len(valid.dataset)} validation samples, {len(files)} files, {total:.2f} GB")
+          f"{len(valid.dataset)} validation samples{lead}, {len(files)} files, {total:.2f} GB")
     return 0
 
 

@@ -188,6 +188,16 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
+    """"(default: X)" where an option has a default worth naming, once: not where its help names it already, nor
+    for None, an empty list or a flag (as the training scripts' --help)."""
+
+    def _get_help_string(self, action):
+        if "default" in (action.help or "") or action.default in (None, [], False, argparse.SUPPRESS):
+            return action.help
+        return super()._get_help_string(action)
+
+
 @contextmanager
 def errors_as_one_line(parser: argparse.ArgumentParser, known: type[Exception], out: Path, interrupted: str):
     """The datasets/ commands' exits: bad input (``known``: the message is the line) and a failed write under
@@ -206,7 +216,7 @@ def errors_as_one_line(parser: argparse.ArgumentParser, known: type[Exception], 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = OneLineParser(
         description="Per-channel mean/std and time-mean field of a split, streamed: <data_dir>/stats/*.npy.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsOnce,
     )
     parser.add_argument("--data_dir", "--data-dir", required=True, type=Path, help="data root (holds <split>/)")
     parser.add_argument("--split", default="train", help="split folder to average over")

@@ -1,10 +1,11 @@
 #!/bin/bash
-# Installs what the real-SLURM tests need: Debian's slurm-wlm and munge, and shellcheck.
+# Installs what the real-SLURM tests need: Debian's slurm-wlm and munge, and shellcheck; and ferret-datasets,
+# whose monthly_navy_winds.cdf is datasets/README.md's file from another centre (tests/test_readme.py runs it).
 # Idempotent: does nothing when they are installed. Without root or apt-get it only says so (the
 # SLURM tests then skip, except under CI=true, where they fail).
 set -euo pipefail
 
-packages=(slurm-wlm munge shellcheck)
+packages=(slurm-wlm munge shellcheck ferret-datasets)
 missing=()
 for package in "${packages[@]}"; do
   if ! dpkg-query --show --showformat='${Status}' "$package" 2>/dev/null | grep -q 'install ok installed'; then

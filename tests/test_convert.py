@@ -2,6 +2,7 @@
 real ERA5 fields no one here wrote (cfgrib's sample, `make real-data`), then read by the training loaders."""
 
 import os
+import re
 import subprocess
 from pathlib import Path
 from unittest import mock
@@ -12,9 +13,10 @@ import pandas as pd
 import pytest
 import xarray as xr
 
-from datasets import cds_request, convert
+from datasets import cds_request, convert, foreign
+from datasets.foreign import open_fields
 from tests.conftest import REPO, TINY_MODEL, read_metrics, run_script
-from utils.data.era5 import NAMES_ATTR, SEGMENTS_ATTR, ERA5Dataset, YearFile, pair_starts
+from utils.data.era5 import NAMES_ATTR, SEGMENTS_ATTR, STEP_ATTR, ERA5Dataset, YearFile, lead_time, pair_starts
 
 REAL = REPO / "datasets" / "real"
 REAL_FILES = ("era5-levels-members.grib", "era5-levels-members.nc")
@@ -30,7 +32,7 @@ def cds_like(times, long_names=False, level_dim="pressure_level", time_dim="vali
     levels = np.array([850.0, 500.0])
     names = dict(u10="u10", v10="v10", t2m="t2m", tcwv="tcwv", t="t", z="z")
     if long_names:
-        names = {k: next(n for n, s in convert.LONG_NAMES.items() if s == k) for k in names}
+        names = {k: next(n for n, s in foreign.LONG_NAMES.items() if s == k) for k in names}
     single = (("u10", 1, "m s**-1"), ("v10", 2, "m s**-1"), ("t2m", 300, "K"), ("tcwv", 20, "kg m**-2"))
     surface = {names[k]: ((time_dim, "latitude", "longitude"), (grid + off).astype("f4"), {"units": u})
                for k, off, u in single}
@@ -80,7 +82,7 @@ def test_netcdf_is_oriented_split_by_year_with_its_gap_recorded(nc_source, tmp_p
     valid, _, _ = fields(tmp_path / "valid" / "2009.h5")
     assert train.shape == (48 - 4, 3, 7, 12) and valid.shape == (10 * 4, 3, 7, 12) and train.dtype == np.float32
     assert list(attrs["channels"]) == ["u10", "t850", "z500"] and attrs["hours_per_step"] == 6
-    assert list(attrs["units"]) == ["m s**-1", "K", "m**2 s**-2"]
+    assert list(attrs["units"]) == ["m s-1", "K", "m2 s-2"] and attrs["time_step"] == "6 h"  # the channels' units
     # North to south, columns from 0 degrees east (the source ran from -180): 0, 30, ..., 330 -> -180 + 180 = 0 first.
     lon = np.where(np.arange(0, 360, 30) >= 180, np.arange(0, 360, 30) - 360, np.arange(0, 360, 30))
     np.testing.assert_allclose(train[0, 0], 1 + LAT_SN[::-1, None] + lon[None, :] / 1000, atol=1e-4)
@@ -105,7 +107,7 @@ def test_forecast_pairs_never_span_a_recorded_gap(nc_source, tmp_path, capsys):
         assert hours[day + 2] - hours[day] == 12  # two steps of 6 h: never across the gap
     x, y = data[17]
     assert x.shape == y.shape == (1, 6, 12)  # the loader drops the last row (7 -> 6)
-    assert (convert.NAMES_ATTR, convert.SEGMENTS_ATTR) == (NAMES_ATTR, SEGMENTS_ATTR)  # the loader reads them
+    assert (convert.NAMES_ATTR, convert.SEGMENTS_ATTR, convert.STEP_ATTR) == (NAMES_ATTR, SEGMENTS_ATTR, STEP_ATTR)
     assert pair_starts(YearFile(Path("f"), 10, 7, 12, 1, segments=(0,)), 1) is None  # one run: every t < 9
     assert list(pair_starts(YearFile(Path("f"), 10, 7, 12, 1, segments=(0, 3, 4)), 1)) == [0, 1, 4, 5, 6, 7, 8]
 
@@ -194,6 +196,101 @@ def test_dry_run_prints_sizes_and_time_and_writes_nothing(nc_source, tmp_path, c
     assert not (tmp_path / "d").exists()
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Data from other centres: CF attributes and odd names, CMIP names, other units, longitudes past 360, months
+# ----------------------------------------------------------------------------------------------------------
+
+LAT_CF, LON_CF = np.arange(-90.0, 90.1, 30.0), np.arange(20.0, 380.1, 30.0)  # south to north; 20 -> 380 (cyclic)
+# Monthly, mid-month times as archives write them (1 month apart, wandering by hours), June 2001 missing.
+MONTHS = np.array([t for t in pd.date_range("2001-01-16T12", periods=24, freq="730h").values
+                   if not str(t).startswith("2001-06")])
+
+
+def archive_like(path: Path) -> None:
+    """An older archive's netCDF, found only by CF attributes: dimensions TIME, FNOCY, FNOCX, PRESS (units only),
+    winds in M/S and km/h, temperature in degrees Celsius; a field's value says where and when it is."""
+    month = np.arange(len(MONTHS))[:, None, None]
+    grid = LAT_CF[None, :, None] + np.mod(LON_CF, 360)[None, None, :] / 1000 + month / 100
+    levels = grid[:, None] + np.array([-10.0, 20.0])[:, None, None]  # degrees C at 850 and 500 mbar
+    ds = xr.Dataset({"UWND": (("TIME", "FNOCY", "FNOCX"), grid.astype("f4"), {"units": "M/S"}),
+                     "VWND": (("TIME", "FNOCY", "FNOCX"), (grid * 3.6).astype("f4"), {"units": "km/h"}),
+                     "TEMP": (("TIME", "PRESS", "FNOCY", "FNOCX"), levels.astype("f4"), {"units": "degC"})},
+                    coords={"TIME": MONTHS, "PRESS": ("PRESS", [850.0, 500.0], {"units": "mbar"}),
+                            "FNOCY": ("FNOCY", LAT_CF, {"units": "degrees_north"}),
+                            "FNOCX": ("FNOCX", LON_CF, {"units": "degrees_east"})})
+    ds.to_netcdf(path)
+
+
+def cmip_like(path: Path) -> None:
+    """CMIP6's names and attributes: tas, uas, zg and ta on plev in Pa, a noleap calendar, bounds variables."""
+    times = xr.date_range("2005-01-01", periods=3, freq="D", calendar="noleap", use_cftime=True)
+    grid = LAT_SN[None, :, None] + np.arange(0.0, 360.0, 30.0)[None, None, :] / 1000 + np.arange(3)[:, None, None]
+    upper = grid[:, None] + np.array([0.0, 1.0])[None, :, None, None]
+    dims, dims3 = ("time", "lat", "lon"), ("time", "plev", "lat", "lon")
+    ds = xr.Dataset({"tas": (dims, grid + 280, {"units": "K", "standard_name": "air_temperature"}),
+                     "uas": (dims, grid, {"units": "m s-1"}), "zg": (dims3, upper + 5000, {"units": "m"}),
+                     "ta": (dims3, upper + 250, {"units": "K"}),
+                     "lat_bnds": (("lat", "bnds"), np.stack([LAT_SN - 15, LAT_SN + 15], axis=1))},
+                    coords={"time": ("time", times, {"axis": "T"}),
+                            "plev": ("plev", [85000.0, 50000.0], {"units": "Pa", "axis": "Z", "positive": "down"}),
+                            "lat": ("lat", LAT_SN, {"axis": "Y", "standard_name": "latitude"}),
+                            "lon": ("lon", np.arange(0.0, 360.0, 30.0), {"axis": "X", "standard_name": "longitude"})})
+    ds.to_netcdf(path)
+
+
+def test_an_archive_by_cf_attributes_with_other_units_and_months_converts_and_loads(tmp_path, capsys):
+    archive_like(tmp_path / "navy.cdf")
+    (tmp_path / "map.yaml").write_text("# the archive's names: the channels' variables\nVWND: v10\nTEMP: t\n")
+    code, out, err = run(capsys, tmp_path / "navy.cdf", "--out", tmp_path / "o", "--channels", "u10,v10,t500",
+                         "--rename", "UWND=u10", "--rename-file", tmp_path / "map.yaml", "--train-years", 2001,
+                         "--valid-years", 2002, "--quiet")
+    assert code == 0, err
+    data, attrs, hours = fields(tmp_path / "o" / "valid" / "2002.h5")
+    assert data.shape == (12, 3, 7, 12)  # the cyclic column at 380 (= 20) E dropped
+    assert list(attrs["units"]) == ["m s-1", "m s-1", "K"] and attrs["time_step"] == "1 month"
+    assert "hours_per_step" not in attrs and list(attrs["segment_starts"]) == [0]
+    # Rows north to south, columns east from 0 E: 20, 50, ..., 350 (380 is 20 again), values converted.
+    expected = LAT_CF[::-1, None] + np.arange(20.0, 360.0, 30.0)[None, :] / 1000 + 11 / 100
+    np.testing.assert_allclose(data[0, 0], expected, atol=1e-4)
+    np.testing.assert_allclose(data[0, 1], expected, atol=1e-4)  # km/h -> m s-1
+    np.testing.assert_allclose(data[0, 2], expected + 20 + 273.15, atol=1e-3)  # 500 mbar, degrees C -> K
+    assert hours[1] - hours[0] == 730
+    # The month missing from 2001 is a gap; the forecast loader pairs consecutive months and says so.
+    train = ERA5Dataset(tmp_path / "o" / "train", task="forecast", crop_size=0, lead=1, train=False)
+    assert list(fields(tmp_path / "o" / "train" / "2001.h5")[1]["segment_starts"]) == [0, 5]
+    assert len(train) == 4 + 5 and train.lead_time == "1 month" and "lead 1 month" in repr(train)
+    assert lead_time("1 month", 3) == "3 months" and lead_time("6 h", 2) == "12 h" and lead_time(None, 1) == "1 step"
+    # The same rules, for a prediction's inputs: one array in the same order and units.
+    array = open_fields([tmp_path / "navy.cdf"], ["u10", "v10", "t500"], rename={"UWND": "u10", "VWND": "v10",
+                                                                                  "TEMP": "t"})
+    assert array.dims == ("time", "channel", "lat", "lon") and array.attrs["units"] == ["m s-1", "m s-1", "K"]
+    np.testing.assert_array_equal(array.sel(time=array.time.dt.year == 2002).values, data)
+    assert list(array.lon.values) == list(np.arange(20.0, 360.0, 30.0)) and float(array.lat[0]) == 90
+
+
+def test_cmip_names_plev_in_pa_and_a_model_calendar_convert_and_load(tmp_path, capsys):
+    cmip_like(tmp_path / "cmip.nc")
+    code, _, err = run(capsys, tmp_path / "cmip.nc", "--out", tmp_path / "o", "--channels", "t2m,u10,z500,t850",
+                       "--quiet")
+    assert code == 0, err
+    data, attrs, hours = fields(tmp_path / "o" / "train" / "2005.h5")
+    assert list(attrs["units"]) == ["K", "m s-1", "m2 s-2", "K"] and attrs["time_step"] == "24 h"
+    src = xr.open_dataset(tmp_path / "cmip.nc").isel(lat=slice(None, None, -1), time=2)
+    np.testing.assert_allclose(data[2, 0], src.tas.values, rtol=1e-6)
+    np.testing.assert_allclose(data[2, 2], src.zg.sel(plev=50000).values * 9.80665, rtol=1e-6)  # height -> geopotential
+    np.testing.assert_allclose(data[2, 3], src.ta.sel(plev=85000).values, rtol=1e-6)
+    x, y = ERA5Dataset(tmp_path / "o" / "train", task="sr", crop_size=0, upscale=2, train=False)[0]
+    assert y.shape == (4, 6, 12) and x.shape == (4, 3, 6)
+
+
+def test_help_names_each_default_once(capsys):
+    with pytest.raises(SystemExit):
+        convert.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: None)" not in text and "(default: [])" not in text and "(default: False)" not in text
+    assert "(default: every variable and level)" in text and not re.search(r"\(default[^)]*\) \(default", text)
+
+
 def _bad_sources(root: Path) -> dict[str, tuple[list, str]]:
     """Every bad input: (arguments, what its one line says)."""
     times = six_hourly("2010-01-01", "2010-01-03")
@@ -207,6 +304,16 @@ def _bad_sources(root: Path) -> dict[str, tuple[list, str]]:
     cds_like(irregular).to_netcdf(root / "irregular.nc")
     cds_like(times).to_netcdf(root / "copy.nc")
     (root / "text.nc").write_text("not a netCDF file")
+    odd = cds_like(times)
+    odd.u10.attrs["units"], odd.t2m.attrs["units"] = "K", "parsecs"
+    odd.to_netcdf(root / "units.nc")
+    cds_like(times).assign(uas=lambda d: d.u10).to_netcdf(root / "twice.nc")
+    xr.Dataset({"u10": (("valid_time", "Y2", "X2"), np.zeros((len(times), 7, 12)))},
+               coords={"valid_time": times, "Y2": LAT_SN, "X2": LON_180}).to_netcdf(root / "no_lat.nc")
+    days_360 = xr.date_range("2001-02-28", periods=3, freq="D", calendar="360_day", use_cftime=True)
+    cds_like(times[:3]).assign_coords(valid_time=days_360).to_netcdf(root / "360_day.nc")
+    archive_like(root / "months.nc")
+    (root / "list.yaml").write_text("- UWND\n- u10\n")
     ok = root / "ok.nc"
     return {
         "missing variable": ([ok, "--channels", "u10,sst"], "channel sst: no variable sst in the sources"),
@@ -222,6 +329,17 @@ def _bad_sources(root: Path) -> dict[str, tuple[list, str]]:
         "irregular": ([root / "irregular.nc"], "the time steps are irregular"),
         "step": ([ok, "--step", 9], "--step 9 is not a multiple of the sources' 6 h step"),
         "crop": ([ok, "--lat", 10, 5], "the crop holds"),
+        "unit not the channel's": ([root / "units.nc", "--channels", "u10"], "units 'K' cannot be converted to m s-1"),
+        "unit not understood": ([root / "units.nc", "--channels", "t2m"], "units 'parsecs' are not understood"),
+        "two names, one channel": ([root / "twice.nc"], "variables u10 and uas are both u10; keep one or name"),
+        "no latitude": ([root / "no_lat.nc"], "which dimension is latitude? None has its CF attributes (units "
+                        "degrees_north, standard_name latitude or axis Y) or a usual name (latitude, lat); "
+                        "candidates: Y2 (7), X2 (12); name it: --rename DIM=latitude"),
+        "model calendar": ([root / "360_day.nc"], "the 360_day calendar has dates that the standard calendar lacks"),
+        "rename unknown": ([ok, "--rename", "FOO=u10"], "--rename FOO: no variable or dimension FOO in the sources"),
+        "rename syntax": ([ok, "--rename", "u10"], "expected NAME=CHANNEL pairs"),
+        "rename file": ([ok, "--rename-file", root / "list.yaml"], "expected a mapping of names"),
+        "monthly step": ([root / "months.nc", "--step", 6, "--channels", "UWND"], "hold one time a month; keep every"),
         "member": ([ok, "--members", "3"], ""),  # no member dimension: nothing to select, converts
         "later times": ([ok, root / "later.nc", "--channels", "t2m", "--start", "2010-01-05"], ""),
     }
@@ -238,6 +356,10 @@ def test_every_bad_input_stops_with_one_line_and_writes_nothing(tmp_path, capsys
         assert code == 2 and len(err.strip().splitlines()) == 1, f"{what}: {code} {err}"
         assert says in err, f"{what}: {err}"
         assert not out.exists(), f"{what}: wrote {list(out.rglob('*'))}"
+    (tmp_path / "a_file").write_text("kept")  # --out naming a file: said so (not blamed on free space)
+    code, _, err = run(capsys, tmp_path / "src" / "ok.nc", "--out", tmp_path / "a_file" / "era5", "--quiet")
+    assert code == 2 and f"{tmp_path / 'a_file'} is a file, not a folder" in err
+    assert (tmp_path / "a_file").read_text() == "kept"
 
 
 def test_missing_readers_are_named_in_one_line(tmp_path, capsys):

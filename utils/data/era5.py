@@ -28,6 +28,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -54,6 +55,9 @@ NAMES_ATTR = "channels"  # optional attribute of ``fields``: the channel names (
 # Optional attribute of ``fields``: the sample indices where a run of consecutive time steps starts (0 first).
 # datasets/convert.py records it where the source has a gap in time; forecast pairs never span two runs.
 SEGMENTS_ATTR = "segment_starts"
+# Optional attributes of ``fields``: the time between consecutive samples in the data's own unit ("6 h", "1 month",
+# datasets/convert.py), or in hours (the synthetic files); a forecast's lead is said in it.
+STEP_ATTR, HOURS_ATTR = "time_step", "hours_per_step"
 STATS_DIR = "stats"  # NERSC's layout: <data_dir>/stats/global_means.npy, global_stds.npy, time_means.npy
 STATS_COMMAND = "python datasets/compute_stats.py --data_dir {root}"
 TASKS = ("sr", "forecast")
@@ -82,6 +86,7 @@ class YearFile:
     channels: int
     names: Optional[tuple[str, ...]] = None  # the file's channel names, if it records them
     segments: Optional[tuple[int, ...]] = None  # first sample of each run of consecutive times, if recorded
+    step: Optional[str] = None  # the time between consecutive samples ("6 h", "1 month"), if recorded
 
 
 def _describe(path: Path) -> YearFile:
@@ -98,6 +103,9 @@ def _describe(path: Path) -> YearFile:
         shape, dtype = fields.shape, fields.dtype
         names = fields.attrs.get(NAMES_ATTR)
         segments = fields.attrs.get(SEGMENTS_ATTR)
+        step, hours = fields.attrs.get(STEP_ATTR), fields.attrs.get(HOURS_ATTR)
+    step = str(step.decode() if isinstance(step, bytes) else step) if step is not None else (
+        f"{float(hours):g} h" if hours is not None else None)
     expected = "expected (samples, channels, lat, lon) as SuperBench's and NERSC's ERA5"
     if len(shape) != 4:
         raise DataError(f"{path}: '{FIELDS_KEY}' has shape {shape} ({len(shape)} dimensions); {expected}")
@@ -116,7 +124,7 @@ def _describe(path: Path) -> YearFile:
             # A wrong record would let forecast pairs span a gap: refuse it rather than ignore it.
             raise DataError(f"{path}: attribute '{SEGMENTS_ATTR}' of '{FIELDS_KEY}' is {list(segments)}; expected "
                             f"increasing sample indices from 0, below {shape[0]}: convert the file again")
-    return YearFile(path, shape[0], shape[2], shape[3], shape[1], names, segments)
+    return YearFile(path, shape[0], shape[2], shape[3], shape[1], names, segments, step)
 
 
 def pair_starts(file: YearFile, lead: int) -> Optional[np.ndarray]:
@@ -127,6 +135,16 @@ def pair_starts(file: YearFile, lead: int) -> Optional[np.ndarray]:
     bounds = [*file.segments, file.days]
     runs = [np.arange(start, stop - lead) for start, stop in zip(bounds, bounds[1:]) if stop - start > lead]
     return np.concatenate(runs) if runs else np.zeros(0, dtype=np.int64)
+
+
+def lead_time(step: Optional[str], lead: int) -> str:
+    """A forecast's lead in the data's own unit: ("6 h", 2) -> "12 h", ("1 month", 3) -> "3 months"; in steps
+    where the files record none."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?) ?(h|[a-z]+?)s?", step or "")
+    if not match:
+        return f"{lead} step{'s' if lead != 1 else ''}"
+    count, unit = float(match.group(1)) * lead, match.group(2)
+    return f"{count:g} {unit}{'s' if unit != 'h' and count != 1 else ''}"
 
 
 def check_channels(file: YearFile, in_chans: int) -> None:
@@ -243,6 +261,7 @@ class ERA5Dataset(LazyH5, Dataset):
             self.bands.bounds(self.sample_rows // upscale)  # a field too small for cp bands: say so now, not in a worker
         self.patches_per_day = n_patches if crop_size else 1
         self.lead = lead if task == "forecast" else 0  # a forecast pair needs sample t+lead in the same file
+        self.lead_time = lead_time(self.files[0].step, lead) if task == "forecast" else None  # "6 h", "1 month"
         self._starts = [pair_starts(f, self.lead) for f in self.files]  # None: no gap recorded in that file
         counts = [max(f.days - self.lead, 0) if s is None else len(s) for f, s in zip(self.files, self._starts)]
         self._first_day = list(itertools.accumulate([0] + counts))
@@ -366,7 +385,8 @@ class ERA5Dataset(LazyH5, Dataset):
 
     def __repr__(self) -> str:
         crop = f"{self.crop_size}x{self.crop_size} crops x {self.patches_per_day}/day" if self.crop_size else "whole fields"
-        return (f"ERA5Dataset({self.split_dir}, task={self.task}, {len(self.files)} files, {self.days} days, "
+        lead = f", lead {self.lead_time}" if self.lead_time else ""
+        return (f"ERA5Dataset({self.split_dir}, task={self.task}{lead}, {len(self.files)} files, {self.days} days, "
                 f"{self.channels} channels, {self.height}x{self.width}, {crop}, {len(self)} samples)")
 
 
