@@ -72,6 +72,7 @@ def main():
 
     # ------------------------------------------------------------------------------------------ Model
     raw_model = build_model(cfg.model).to(device)
+    task.check_model(cfg.model, val_loader.dataset[0])  # the model contract, in one line
     model = apply_tp(raw_model, mesh["tp"])  # parameters -> DTensors on the tp ranks
     model = apply_cp(model, mesh["cp"])  # hooks: one band of tokens per cp rank
     model = apply_ac(model, tcfg.ac)

@@ -64,6 +64,7 @@ def main():
 
     # ------------------------------------------------------------------------------------------ Model
     raw_model = build_model(cfg.model).to(device)
+    task.check_model(cfg.model, val_loader.dataset[0])  # the model contract, in one line
     loss_fn = build_loss(cfg)
     # This rank's stages: parts of raw_model. Each pipeline takes batch_size / dp samples per step.
     pipeline = Pipeline(raw_model, cfg, mesh["pp"], device, loss_fn, cfg.train.batch_size // dp_size)

@@ -54,6 +54,7 @@ def main():
 
     # ------------------------------------------------------------------------------------------ Model
     raw_model = build_model(cfg.model).to(device)
+    task.check_model(cfg.model, val_loader.dataset[0])  # the model contract, in one line
     model = apply_ac(raw_model, tcfg.ac)
     model = apply_compile(model, tcfg.compile, tcfg.compile_backend, tcfg.cuda_graphs)
     input_shape = tuple(val_loader.dataset[0][0].shape)

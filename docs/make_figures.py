@@ -208,8 +208,8 @@ def layers_figure() -> Figure:
     ax.text(10.15, height - 1.6, "imports go down only\n(|: side by side,\nneither imports the other)", fontsize=9,
             va="center")
     _box(ax, 11.6, 1.2, 2.4, 1.4, "models/\nswinir, vit, unet3d\n(import nothing\nfrom utils/)", "#E2F0D9", 9)
-    ax.text(5, 0.25, "Checked by `lint-imports` in make test (.importlinter); the model-specific rows of every "
-            "technique live in utils/parallel/plans.py.", ha="center", fontsize=9)
+    ax.text(5, 0.25, "Checked by `lint-imports` in make test (.importlinter); what is model-specific in a technique is "
+            "the model's plan (utils/parallel/plans.py; yours beside your model).", ha="center", fontsize=9)
     return fig
 
 

@@ -1,9 +1,26 @@
-"""Models of the tutorial; ``build_model(cfg)`` turns the config's model section into a module."""
+"""Models of the tutorial, and the one way every model is built: the built-in ones and yours alike.
+
+``build_model(cfg)`` imports what ``cfg.model_class`` names by import path, ``module:Class`` (a class or a function
+that returns the model; a built-in model's name stands for its path: ``models.swinir:build``, ``models.vit:build``,
+``models.unet3d:UNet3D``), and calls it with the keyword arguments it names among:
+
+- the data's, the model contract (docs/part4-your-model.md): ``in_chans``, ``out_chans``, ``img_size`` (height,
+  width), ``upscale``, ``mean`` and ``std`` (per channel, physical units: a model fed physical units normalises
+  inside, as models/common.py's ``PhysicalUnitsModel`` does);
+- for the models of this package, the config's model keys (``embed_dim``, ``depths``, ...: ``--embed_dim 16``);
+- ``model_args``, your model's own arguments from the config (they win).
+
+Then it checks what the techniques rely on: an ``nn.Module`` whose parameters are real (fused AdamW and FSDP2 refuse
+complex ones). Every breach is one line (:class:`ModelError`, exit code 2 in the scripts), not a traceback.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import importlib
+import inspect
+import sys
+from typing import Any, Callable, Optional
 
 import torch.nn as nn
 
@@ -11,36 +28,101 @@ from .swinir import SwinIR
 from .unet3d import UNet3D
 from .vit import ViT
 
-__all__ = ["SwinIR", "UNet3D", "ViT", "build_model", "count_parameters", "fixed_input_size"]
+__all__ = ["SwinIR", "UNet3D", "ViT", "ModelError", "build_model", "count_parameters", "fixed_input_size",
+           "load_model_class"]
+
+DATA_ARGS = ("in_chans", "out_chans", "img_size", "upscale", "mean", "std")
+"""What a model may take from the data (resolved from it before the model is built)."""
+
+
+class ModelError(ValueError):
+    """A model that cannot be built or breaks the contract, said in one line with the fix."""
+
+
+def load_model_class(path: str, folder: str = "") -> Callable[..., nn.Module]:
+    """What ``module:Class`` names: the module on PYTHONPATH, or in ``folder`` (model_path: the config file's)."""
+    module_name, _, name = path.partition(":")
+    if folder and folder not in sys.path:
+        sys.path.insert(0, folder)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name != module_name.split(".")[0] and error.name != module_name:
+            raise  # the module exists, and imports something that does not: its own traceback says what
+        where = f" or in {folder}" if folder else ""
+        raise ModelError(f"model_class {path}: no module {module_name!r} on PYTHONPATH{where}: set model_path to its "
+                         "folder, or give the config with --config_file in that folder") from None
+    target = getattr(module, name, None)
+    if not callable(target):
+        raise ModelError(f"model_class {path}: module {module_name} ({module.__file__}) has no class or function "
+                         f"{name!r}")
+    return target
 
 
 def build_model(cfg) -> nn.Module:
-    """The model described by ``cfg`` (a ``utils.config.ModelConfig``, or a whole ``Config``).
+    """The model described by ``cfg`` (a ``utils.config.ModelConfig``, or a whole ``Config``); see the module's text.
 
-    mean/std must be set (utils.data.era5.resolve_from_data fills them from the data's statistics).
-    """
+    mean/std must be set for a model that takes them (utils.data.era5.resolve_from_data fills them from the data's
+    statistics)."""
     if not isinstance(getattr(cfg, "model", None), str):  # a whole Config: use its model section
         cfg = cfg.model
-    kwargs = dataclasses.asdict(cfg)
-    name = kwargs.pop("model")
-    if name == "unet3d":  # works on the stored (scaled) fields: no mean/std
-        return UNet3D(cfg.in_chans, cfg.out_chans, cfg.widths, cfg.full_scale)
-    if not kwargs["mean"]:
-        raise ValueError("build_model: mean/std are empty; resolve them from the data first "
+    if not cfg.model_class:
+        raise ModelError(f"model {cfg.model!r}: model_class is empty; build the config with utils.config."
+                         "build_config, which names the built-in models' classes")
+    target = load_model_class(cfg.model_class, cfg.model_path)
+    keys = {**dataclasses.asdict(cfg), "img_size": cfg.img_hw}
+    offered = {name: keys[name] for name in DATA_ARGS}
+    if cfg.model_class.startswith(f"{__name__}."):  # the built-in models read the config's own model keys
+        offered.update({k: v for k, v in keys.items() if k not in ("model", "model_class", "model_path", "model_args")})
+    takes = _arguments(target, cfg.model_class)
+    wrong = sorted(set(cfg.model_args) - set(takes)) if None not in takes else []
+    if wrong:
+        raise ModelError(f"model_args {', '.join(wrong)}: not an argument of {cfg.model_class} (it takes "
+                         f"{', '.join(n for n in takes if n) or 'none'})")
+    kwargs = {**{k: v for k, v in offered.items() if k in takes or None in takes}, **cfg.model_args}
+    if "mean" in kwargs and not kwargs["mean"]:
+        raise ModelError("build_model: mean/std are empty; resolve them from the data first "
                          "(utils.data.era5.resolve_from_data) or set them in the config")
-    img_size = cfg.img_hw
-    kwargs.pop("img_size")
-    if name == "swinir":
-        kwargs.pop("patch_size")  # SwinIR embeds single pixels
-        for key in ("out_chans", "widths", "full_scale"):  # the U-Net's
-            kwargs.pop(key)
-        return SwinIR(img_size=img_size, **kwargs)
-    if name == "vit":
-        return ViT(img_size=img_size, patch_size=kwargs["patch_size"], in_chans=kwargs["in_chans"],
-                   embed_dim=kwargs["embed_dim"], depth=kwargs["depths"][0], num_heads=kwargs["num_heads"][0],
-                   mlp_ratio=kwargs["mlp_ratio"], qkv_bias=kwargs["qkv_bias"],
-                   drop_path_rate=kwargs["drop_path_rate"], mean=kwargs["mean"], std=kwargs["std"])
-    raise ValueError(f"unknown model {name!r}; available: 'swinir', 'vit', 'unet3d'")
+    missing = [n for n, required in takes.items() if n and required and n not in kwargs]
+    if missing:
+        raise ModelError(f"{cfg.model_class} needs {', '.join(missing)}: set them in model_args (the data gives only "
+                         f"{', '.join(DATA_ARGS)})")
+    try:
+        model = target(**kwargs)
+    except (TypeError, ValueError) as error:  # a constructor's own check of its arguments
+        raise ModelError(f"{cfg.model_class}({_shown(kwargs)}): {str(error).splitlines()[0]}") from error
+    check_contract(model, cfg.model_class)
+    return model
+
+
+def check_contract(model: Any, name: str) -> None:
+    """What every technique relies on, said at build time (not three layers down in fused AdamW or FSDP2)."""
+    if not isinstance(model, nn.Module):
+        raise ModelError(f"{name} returned a {type(model).__name__}, not a torch.nn.Module")
+    complex_ = [n for n, p in model.named_parameters() if p.is_complex()]
+    if complex_:
+        raise ModelError(f"{name}: parameter {complex_[0]} is complex ({len(complex_)} in all), which fused AdamW, "
+                         "FSDP2 and DCP refuse: store it real, as w = nn.Parameter(torch.view_as_real(c)), and use "
+                         "torch.view_as_complex(w) in forward (docs/part4-your-model.md)")
+
+
+def _arguments(target: Callable, name: str) -> dict[Optional[str], bool]:
+    """{argument name: required?} of a class's constructor or a function; the key None if it takes **kwargs."""
+    try:
+        parameters = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):
+        raise ModelError(f"model_class {name}: its arguments cannot be read (inspect.signature)") from None
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    takes: dict[Optional[str], bool] = {p.name: p.default is inspect.Parameter.empty
+                                        for p in parameters if p.kind in kinds}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        takes[None] = False
+    return takes
+
+
+def _shown(kwargs: dict) -> str:
+    shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items() if k not in ("mean", "std"))
+    return shown if len(shown) < 120 else shown[:117] + "..."
 
 
 def fixed_input_size(cfg) -> Optional[tuple[int, int]]:

@@ -573,3 +573,13 @@ def _strip_wrapper_prefixes(module, state_dict, prefix, *args) -> None:
             stripped = stripped.split(".", 1)[1]
         if stripped != rest:
             state_dict[prefix + stripped] = state_dict.pop(key)
+
+
+def build(img_size, in_chans: int, upscale: int, embed_dim: int, depths: Sequence[int], num_heads: Sequence[int],
+          window_size: int, mlp_ratio: float, qkv_bias: bool, drop_path_rate: float, img_range: float,
+          upsampler: str, resi_connection: str, mean: Sequence[float], std: Sequence[float]) -> SwinIR:
+    """SwinIR from the config's model keys (the name ``swinir`` stands for this function: models/__init__.py)."""
+    return SwinIR(img_size=img_size, in_chans=in_chans, upscale=upscale, embed_dim=embed_dim, depths=depths,
+                  num_heads=num_heads, window_size=window_size, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
+                  drop_path_rate=drop_path_rate, img_range=img_range, upsampler=upsampler,
+                  resi_connection=resi_connection, mean=mean, std=std)

@@ -147,3 +147,12 @@ class ViT(PhysicalUnitsModel):
         for block in self.transformer:
             carry = self.run_block(block, carry)
         return self.tail(*carry)
+
+
+def build(img_size, patch_size: int, in_chans: int, embed_dim: int, depths: Sequence[int], num_heads: Sequence[int],
+          mlp_ratio: float, qkv_bias: bool, drop_path_rate: float, mean: Sequence[float], std: Sequence[float]) -> ViT:
+    """The ViT from the config's model keys, whose depths and num_heads have one entry, as its one stage (the name
+    ``vit`` stands for this function: models/__init__.py)."""
+    return ViT(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim, depth=depths[0],
+               num_heads=num_heads[0], mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, drop_path_rate=drop_path_rate,
+               mean=mean, std=std)

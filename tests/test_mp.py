@@ -145,9 +145,9 @@ def test_mesh_layout_and_its_errors():
 
 
 def test_models_without_a_plan_are_refused():
-    with pytest.raises(ConfigError, match="no tensor-parallel plan for Linear"):
+    with pytest.raises(ConfigError, match="the Linear has no tensor-parallel plan: use --tp 1"):
         apply_tp(torch.nn.Linear(2, 2), FakeMesh())
-    with pytest.raises(ConfigError, match="splits the ViT's tokens or SwinIR's fields; Linear has no plan"):
+    with pytest.raises(ConfigError, match=r"the Linear has no context-parallel \(cp: tokens or fields\) plan: use --cp 1"):
         apply_cp(torch.nn.Linear(2, 2), FakeMesh())
 
 

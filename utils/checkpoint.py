@@ -419,7 +419,8 @@ def latest_checkpoint(ckpt_dir) -> Optional[Path]:
 def check_model_settings(saved: dict, cfg, path) -> None:
     """A resume must build the model that the checkpoint holds: name the model keys whose values differ."""
     differ = [f"{f.name} {getattr(cfg.model, f.name)!r} (checkpoint: {saved[f.name]!r})"
-              for f in dataclasses.fields(cfg.model) if f.name in saved and saved[f.name] != getattr(cfg.model, f.name)]
+              for f in dataclasses.fields(cfg.model) if f.name in saved and f.name != "model_path"  # where, not what
+              and saved[f.name] != getattr(cfg.model, f.name)]
     if differ:
         raise CheckpointError(f"{path} holds a model built with other settings: {', '.join(differ)}; a resumed run "
                               "must use the run's model settings (drop those overrides)")

@@ -32,11 +32,11 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
+from utils.config_checks import BUILT_IN_MODELS, validate
+from utils.config_files import CONFIG_DIR, ConfigError, load_named_configs, named_config
 
-
-class ConfigError(ValueError):
-    """A config problem, reported as one line that says what to do."""
+# Where configs come from (utils/config_files.py) and their value checks (utils/config_checks.py), for importers:
+__all__ = ["BUILT_IN_MODELS", "CONFIG_DIR", "ConfigError", "load_named_configs", "validate"]
 
 
 @dataclass
@@ -92,9 +92,18 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    model: Literal["swinir", "vit", "unet3d"] = "swinir"
-    """Architecture to build (models/__init__.py:build_model): SwinIR (Part I), the ViT forecaster (Part II) or
-    SC22's 3-D U-Net (Part III)."""
+    model: str = "swinir"
+    """The model's name: a built-in one (swinir: Part I, vit: Part II, unet3d: Part III), built from the keys below,
+    or yours, with model_class (docs/part4-your-model.md)."""
+    model_class: str = ""
+    """Your model: the class (or function) to call, by import path module:Class, the module on PYTHONPATH or beside
+    the config file; empty for a built-in model (its own path, models.vit:build, ...)."""
+    model_path: str = ""
+    """Folder that holds model_class's module, if it is not on PYTHONPATH (default: the folder of --config_file);
+    kept in checkpoints, so that rollout.py and a resume find the model again."""
+    model_args: dict[str, Any] = field(default_factory=dict)
+    """Your model's own arguments (--model_args.NAME VALUE sets one); the data's (in_chans, out_chans, img_size,
+    upscale, mean, std) come by name, as the built-in models get them."""
     upscale: int = 2
     """SwinIR: super-resolution factor; the data's low-res input is the high-res field downsampled by it."""
     in_chans: int = 3
@@ -358,6 +367,11 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
         return [_coerce(key, v, args[0]) for v in value]
+    if origin is dict:
+        value = _parse_value(value) if isinstance(value, str) else value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping {{name: value, ...}}, got {value!r}")
+        return dict(value)
     if annotation is bool:
         if isinstance(value, bool):
             return value
@@ -384,30 +398,6 @@ def _resolved_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def load_named_configs(path: Optional[Path] = None) -> dict[str, dict[str, Any]]:
-    """All named configs of one YAML file, or of every ``config/*.yaml`` when ``path`` is None
-    (a name defined in two files is an error)."""
-    if path is None:
-        merged: dict[str, dict[str, Any]] = {}
-        for file in sorted(CONFIG_DIR.glob("*.yaml")):
-            configs = load_named_configs(file)
-            twice = sorted(set(configs) & set(merged))
-            if twice:
-                raise ConfigError(f"config name(s) {', '.join(twice)} defined twice in {CONFIG_DIR}: rename one")
-            merged.update(configs)
-        return merged
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    with open(path) as f:
-        try:
-            configs = yaml.safe_load(f)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
-    if not isinstance(configs, dict) or not all(isinstance(v, dict) for v in configs.values()):
-        raise ConfigError(f"{path} must map config names to mappings of keys")
-    return configs
-
-
 def build_config(name: str, overrides: Optional[dict[str, Any]] = None, path: Optional[Path] = None,
                  script_defaults: Optional[dict[str, Any]] = None) -> Config:
     """The named config (from ``path``, or any config/*.yaml) with overrides applied, validated.
@@ -415,13 +405,16 @@ def build_config(name: str, overrides: Optional[dict[str, Any]] = None, path: Op
     ``script_defaults`` replace the dataclass defaults for one script (train_with_profiling.py
     profiles unless told not to); the named config and the overrides still win over them.
     """
-    configs = load_named_configs(path)
-    if name not in configs:
-        where = path.name if path else f"{CONFIG_DIR.name}/*.yaml"
-        valid = ", ".join(n for n in configs if n != "base" and not n.startswith("_"))
-        raise ConfigError(f"unknown config {name!r} in {where}; valid: {valid}")
-    values = {**(script_defaults or {}), **configs[name]}
-    values.update(overrides or {})
+    values, overrides = {**(script_defaults or {}), **named_config(name, path)}, dict(overrides or {})
+    args = [values.get("model_args") or {}, overrides.pop("model_args", None) or {}]
+    if not all(isinstance(a, dict) for a in args):
+        raise ConfigError(f"model_args must map your model's argument names to values, got {args}")
+    args = {**args[0], **args[1]}  # merged name by name, as --model_args.NAME VALUE is
+    for key in [k for k in overrides if k.startswith("model_args.")]:
+        args[key[len("model_args."):]] = overrides.pop(key)
+    values.update(overrides, model_args=args)
+    if path is not None and values.get("model_class") and not values.get("model_path"):
+        values["model_path"] = str(path.resolve().parent)  # your model's module beside your config
     sections: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     unknown = [k for k in values if k not in KEYS]
     if unknown:
@@ -435,103 +428,6 @@ def build_config(name: str, overrides: Optional[dict[str, Any]] = None, path: Op
     cfg = Config(**{s: SECTIONS[s](**kv) for s, kv in sections.items()}, name=name)
     validate(cfg)
     return cfg
-
-
-def validate(cfg: Config) -> None:
-    """Value checks that types alone do not catch (checks against the data: utils.data.era5.resolve_from_data)."""
-    d, m, t = cfg.data, cfg.model, cfg.train
-    values = {**dataclasses.asdict(m), **dataclasses.asdict(d), **dataclasses.asdict(t), **dataclasses.asdict(cfg.dist)}
-    for key in ("batch_size", "upscale", "window_size", "lead", "embed_dim", "in_chans", "n_patches", "patch_size",
-                "out_chans", "log_every", "dist_timeout_s"):
-        if not 0 < values[key] < math.inf:  # NaN too
-            raise ConfigError(f"{key} must be > 0, got {values[key]}")
-    for key in ("max_steps", "epochs", "val_every", "ckpt_every", "ckpt_every_minutes", "keep_checkpoints",
-                "num_workers", "train_samples", "val_samples", "val_batch_size", "crop_size"):
-        if not 0 <= values[key] < math.inf:
-            raise ConfigError(f"{key} must be >= 0, got {values[key]}")
-    if t.max_steps == 0 and t.epochs == 0:
-        raise ConfigError("set epochs > 0 or max_steps > 0")
-    if d.task == "sr" and d.crop_size and d.crop_size % m.upscale:
-        raise ConfigError(f"crop_size {d.crop_size} must be divisible by upscale {m.upscale}")
-    if d.task == "forecast" and d.crop_size:
-        raise ConfigError(f"task forecast trains and validates on whole fields (latitude weights, climatology): "
-                          f"set crop_size 0, not {d.crop_size}")
-    if len(m.depths) != len(m.num_heads):
-        raise ConfigError(f"depths {m.depths} and num_heads {m.num_heads} must have the same length")
-    if any(v <= 0 for v in m.depths + m.num_heads):
-        raise ConfigError(f"depths {m.depths} and num_heads {m.num_heads} must be > 0")
-    if any(m.embed_dim % h for h in m.num_heads):
-        raise ConfigError(f"embed_dim {m.embed_dim} must be divisible by every num_heads {m.num_heads}")
-    if len(m.img_size) not in (1, 2) or min(m.img_size) <= 0:
-        raise ConfigError(f"img_size must be [height, width] or [side] with positive sides, got {m.img_size}")
-    if m.model == "vit":
-        if d.task != "forecast":
-            raise ConfigError(f"the ViT maps fields to fields of the same size: use task forecast, not {d.task}")
-        if len(m.depths) != 1:
-            raise ConfigError(f"the ViT has one stage: depths must have one entry (its depth), got {m.depths}")
-        if "layer" in (t.ac, cfg.dist.fsdp_unit):
-            raise ConfigError("ac/fsdp_unit 'layer' is SwinIR's RSTB; the ViT's unit is the transformer block: use block")
-        height, width = m.img_hw
-        if height % m.patch_size or width % m.patch_size:
-            raise ConfigError(f"img_size {height}x{width} is not divisible by patch_size {m.patch_size}: "
-                              "use a patch size that divides both sides")
-    if m.model == "unet3d" or d.task == "volume":
-        _validate_unet3d(cfg)
-    elif t.lambda_rho:
-        raise ConfigError(f"lambda_rho weighs the density of task volume (SC22's U-Net); task {d.task} has none: set 0")
-    if cfg.dist.tp < 1 or cfg.dist.cp < 1:
-        raise ConfigError(f"tp and cp must be >= 1, got tp {cfg.dist.tp}, cp {cfg.dist.cp}")
-    if cfg.dist.pp < 1 or cfg.dist.pp_microbatches < 1 or any(n < 1 for n in cfg.dist.pp_split):
-        raise ConfigError(f"pp and pp_microbatches must be >= 1 and pp_split entries >= 1, got pp {cfg.dist.pp}, "
-                          f"pp_microbatches {cfg.dist.pp_microbatches}, pp_split {cfg.dist.pp_split}")
-    if sorted(cfg.dist.parallel_order.split("-")) != ["cp", "dp", "tp"]:
-        raise ConfigError(f"parallel_order must name tp, cp and dp once each, joined by '-' (e.g. tp-cp-dp), "
-                          f"got {cfg.dist.parallel_order!r}")
-    bad_heads = [h for h in m.num_heads if h % cfg.dist.tp]
-    if bad_heads:
-        raise ConfigError(f"num_heads {m.num_heads} must be divisible by tp {cfg.dist.tp}: each tensor-parallel "
-                          "rank holds whole heads; use a tp that divides every num_heads")
-    if len(m.mean) != len(m.std) or (m.mean and len(m.mean) != m.in_chans):
-        raise ConfigError(f"mean and std need {m.in_chans} values each (in_chans), or both empty "
-                          f"(= from <data_dir>/stats); got {len(m.mean)} and {len(m.std)}")
-    if any(s <= 0 for s in m.std):
-        raise ConfigError(f"std must be > 0, got {m.std}")
-    named, key = (m.out_chans, "out_chans") if d.task == "volume" else (m.in_chans, "in_chans")  # the metrics' channels
-    if d.channel_names and len(d.channel_names) != named:
-        raise ConfigError(f"channel_names has {len(d.channel_names)} names but {key} is {named}")
-    if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
-        raise ConfigError(f"betas must be two numbers in [0, 1), got {t.betas}")
-    if t.cuda_graphs and not (t.compile and t.compile_backend == "inductor"):
-        raise ConfigError("cuda_graphs replays what torch.compile's inductor captured: add --compile true "
-                          "--compile_backend inductor (or drop --cuda_graphs)")
-    if t.lr <= 0:
-        raise ConfigError(f"lr must be > 0, got {t.lr}")
-    if cfg.dist.base_batch_size <= 0 or cfg.dist.warmup_steps < 0:
-        raise ConfigError(f"base_batch_size must be > 0 and warmup_steps >= 0, got {cfg.dist.base_batch_size} and "
-                          f"{cfg.dist.warmup_steps}")
-
-
-def _validate_unet3d(cfg: Config) -> None:
-    """The U-Net and task volume come together; its crops must survive every halving of the down path."""
-    d, m, t = cfg.data, cfg.model, cfg.train
-    if m.model != "unet3d" or d.task != "volume":
-        raise ConfigError(f"task volume is what model unet3d trains on, and only it: got model {m.model} with task "
-                          f"{d.task}; use --config unet3d_base (or unet3d_quickstart)")
-    if not m.widths or min(m.widths) < 1:
-        raise ConfigError(f"widths must be one or more positive channel counts, got {m.widths}")
-    levels = len(m.widths) + m.full_scale
-    if d.crop_size < 2 ** levels or d.crop_size % 2 ** levels:
-        raise ConfigError(f"crop_size {d.crop_size} must be a multiple of 2**{levels} = {2 ** levels}: the U-Net halves "
-                          f"it {levels} times ({len(m.widths)} widths{' + full_scale' if m.full_scale else ''}); "
-                          f"use {max(2 ** levels, d.crop_size // 2 ** levels * 2 ** levels)} or fewer levels")
-    if "layer" in (t.ac, cfg.dist.fsdp_unit):
-        raise ConfigError("ac/fsdp_unit 'layer' is SwinIR's RSTB; the U-Net's unit is its block (each level's "
-                          "convolution): use block")
-    if t.lambda_rho < 0:
-        raise ConfigError(f"lambda_rho must be >= 0, got {t.lambda_rho}")
-    if t.loss != "l1" or t.loss_space != "physical":
-        raise ConfigError(f"the U-Net trains with SC22's L1 loss on the stored (already scaled) fields: set loss l1 and "
-                          f"loss_space physical, not {t.loss} / {t.loss_space}")
 
 
 # Keys that only some scripts apply, declared once here: any other script refuses them set away from their defaults,
@@ -637,7 +533,14 @@ def parse_config(description: str = "", argv: Optional[list[str]] = None, extra_
     if extra_args is not None:
         extra_args(parser)
     add_config_args(parser)
-    args = parser.parse_args(_join_negative_values(sys.argv[1:] if argv is None else argv))
+    args, rest = parser.parse_known_args(_join_negative_values(sys.argv[1:] if argv is None else argv))
+    while rest[:1] and rest[0].startswith("--model_args."):  # one argument of your model: --model_args.NAME VALUE
+        name, _, value = rest.pop(0).partition("=")
+        if not value and (not rest or rest[0].startswith("--")):
+            parser.error(f"{name} needs a value")
+        setattr(args, f"cfg__{name[2:]}", _parse_value(value or rest.pop(0)))
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         cfg = config_from_args(args, script_defaults)
         refuse_unapplied(cfg, parser.prog)

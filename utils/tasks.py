@@ -26,6 +26,7 @@ first band's rank. A new task is one more class here and one branch in ``build_t
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -33,9 +34,11 @@ from typing import Optional
 import torch
 from torch import nn
 
+from models import ModelError, build_model, load_model_class
 from utils.data.common import DataError
 from utils.data.era5 import read_climatology, scan_split
 from utils.data.volume import input_names, target_mean
+from utils.observe.flops import on_meta
 from utils.observe.pictures import save_forecast_png, save_sample_png, save_volume_png
 from utils.observe.scores import ACCAccumulator, L1Accumulator, RMSEAccumulator, bicubic_upsample, latitude_weights
 from utils.parallel.domain_parallel import BICUBIC_REACH, gather_bands, halo
@@ -57,10 +60,37 @@ class Task:
     name = ""
     bands = None
     """This rank's band of the fields (utils.parallel.domain_parallel.FieldBands) when they are split over ranks."""
+    physical_units = True
+    """The samples are in physical units (a model normalises them itself, from the mean and std it is given)."""
 
     def __init__(self, channel_names: list[str], key_channels: list[str]):
         self.channel_names = list(channel_names)
         self.key_channels = list(key_channels)
+
+    def check_model(self, model_cfg, sample: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """The model contract of this task, at build time, each breach one line (ModelError): a model fed physical
+        units takes ``mean`` and ``std``; a sample (input, target) of the data goes through the model (``model_cfg``'s,
+        built again on the meta device: no memory, no time, none of its caches touched) to the target's shape
+        (channels only for a rank's band)."""
+        inputs, target = sample
+        name = model_cfg.model_class
+        if self.physical_units and not {"mean", "std"} <= set(inspect.signature(load_model_class(name, model_cfg.model_path)).parameters):
+            raise ModelError(f"{name} takes no mean and std, but task {self.name} gives it physical units (z500 ~5e4, "
+                             "t2m ~280): add mean and std arguments and normalise inside, as models/common.py's "
+                             "PhysicalUnitsModel does (docs/part4-your-model.md)")
+        model = on_meta(lambda: build_model(model_cfg)).eval()
+        try:
+            with torch.no_grad():
+                out = model(torch.empty((1, *inputs.shape), dtype=inputs.dtype, device="meta"))
+        except NotImplementedError:
+            return  # an operator without a meta kernel: the first step will tell
+        except Exception as error:
+            raise ModelError(f"{name} cannot take a sample of task {self.name}, shape (batch, "
+                             f"{', '.join(map(str, inputs.shape))}): {str(error).splitlines()[0]}") from error
+        got, want = tuple(out.shape[1:]), tuple(target.shape)
+        if got != want and (self.bands is None or got[:1] != want[:1]):
+            raise ModelError(f"{name} maps a sample of task {self.name} of shape {tuple(inputs.shape)} to {got}, but "
+                             f"the targets are {want} (docs/part4-your-model.md: what each task feeds and expects)")
 
     def new_accumulators(self, channels: int, device: torch.device) -> dict:
         raise NotImplementedError
@@ -175,6 +205,7 @@ class Volume(Task):
     """Part III: (input, target) crops of a simulation box; the baseline predicts each target channel's mean."""
 
     name = "volume"
+    physical_units = False  # the stored fields are scaled already (SC22's preprocessing)
 
     def __init__(self, channel_names: list[str], key_channels: list[str], target_mean: torch.Tensor,
                  input_names: list[str]):

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models import ModelError
+
 from utils.checkpoint import (CheckpointError, StorageError, TrainState, capture_rng_state, check_model_settings,
                               restore_rng_state, strip_wrapper_prefixes)
 from utils.config import Config, ConfigError, lr_scale
@@ -202,9 +204,9 @@ def show_progress(mode: str) -> bool:
 # ----------------------------------------------------------------------------- command line
 
 
-EXIT_CODES = {StorageError: 4, ConfigError: 2, DataError: 2, CheckpointError: 2, NonFiniteLossError: 3}
+EXIT_CODES = {StorageError: 4, ConfigError: 2, DataError: 2, CheckpointError: 2, ModelError: 2, NonFiniteLossError: 3}
 """Exit code of each expected failure, first match wins (StorageError is a CheckpointError): 2 bad input
-(config, data, checkpoint, run directory), 3 the loss diverged, 4 a write failed (disk full, quota, I/O error).
+(config, data, checkpoint, run directory, a model that cannot be built), 3 the loss diverged, 4 a write failed (disk full, quota, I/O error).
 None of them is worth a restart (torchrun --max-restarts): a crash, an OOM kill or a lost node is."""
 RANK_ERROR_GRACE_S = 10.0
 """How long a rank other than 0 keeps its error to itself, waiting for the launcher to stop it."""

@@ -31,7 +31,7 @@ from torch import nn
 
 from utils.config import ConfigError
 from utils.parallel.domain_parallel import apply_domain_parallel
-from utils.parallel.plans import model_plan
+from utils.parallel.plans import missing_plan, model_plan
 
 
 def band_rows(rows: int, cp: int) -> list[int]:
@@ -87,8 +87,7 @@ def apply_cp(model: nn.Module, cp_mesh) -> nn.Module:
     if splits == "fields":
         return apply_domain_parallel(model, cp_mesh)
     if splits != "tokens":
-        raise ConfigError(f"context parallelism splits the ViT's tokens or SwinIR's fields; {type(model).__name__} "
-                          "has no plan: use --cp 1")
+        raise missing_plan(model, "context-parallel (cp: tokens or fields)", "--cp 1")
     rows, cols = model.grid
     sizes = [r * cols for r in band_rows(rows, cp_mesh.size())]
     rank, group = cp_mesh.get_local_rank(), cp_mesh.get_group()

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from utils.config import ConfigError
-from utils.parallel.plans import model_plan
+from utils.parallel.plans import missing_plan, model_plan
 
 BICUBIC_REACH = 2
 """Rows a bicubic resize reads beyond the rows it maps (its 4 taps): the loader's and the baseline's halo."""
@@ -239,7 +239,7 @@ def apply_domain_parallel(model: nn.Module, cp_mesh) -> nn.Module:
     its output is the band of the high-resolution field.
     """
     if model_plan(model).cp != "fields":
-        raise ConfigError(f"domain parallelism splits SwinIR's fields; {type(model).__name__} has no plan")
+        raise missing_plan(model, "domain-parallel (cp: fields)", "--cp 1")
     if model.ape:
         raise ConfigError("domain parallelism does not split the absolute position embedding of a SwinIR built "
                           "with ape=True (this project's configs never build one): use cp 1")

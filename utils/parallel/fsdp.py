@@ -46,7 +46,7 @@ from utils.checkpoint import (DCP_METADATA, TEMP_PREFIX, CheckpointError, Damage
                               replaced_atomically, restore_rng_state, write_failure)
 from utils.config import ConfigError
 from utils.parallel.distributed import barrier, ensure_process_group
-from utils.parallel.plans import ac_units
+from utils.parallel.plans import ac_units, model_plan
 from utils.precision import DTYPES
 
 HSDP_DIMS = ("replicate", "shard")
@@ -111,7 +111,7 @@ def apply_fsdp(model: nn.Module, cfg, device: torch.device, mesh: Optional[Devic
                           "dp x cp ranks; use --hsdp_replicas 1")
     mesh = build_mesh(d.hsdp_replicas, device) if mesh is None else mesh
     reshard = d.reshard_after_forward if reshard_after_forward is None else reshard_after_forward
-    for unit in ac_units(model, d.fsdp_unit):
+    for unit in ac_units(model, d.fsdp_unit) if model_plan(model).units else []:  # without units: the root alone
         fully_shard(unit, mesh=mesh, mp_policy=mixed_precision(d), reshard_after_forward=reshard)
     # Root: reshard_after_forward left to FSDP (False for the root: backward needs its weights first).
     fully_shard(model, mesh=mesh, mp_policy=mixed_precision(d, cast_forward_inputs=False))

@@ -39,7 +39,7 @@ from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe,
 
 from utils.config import ConfigError
 from utils.parallel.fsdp import apply_fsdp, sharded_payload
-from utils.parallel.plans import StagePlan, model_plan
+from utils.parallel.plans import StagePlan, missing_plan, model_plan
 from utils.precision import autocast
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
@@ -54,8 +54,7 @@ def plan_for(model: nn.Module) -> StagePlan:
     """The model's stage plan (its row in utils/parallel/plans.py); refused in one line without one."""
     plan = model_plan(model).stages
     if plan is None:
-        raise ConfigError(f"no pipeline plan for {type(model).__name__}: add stages to its row in "
-                          "utils/parallel/plans.PLANS")
+        raise missing_plan(model, "pipeline (stages)", "--pp 1")
     return plan
 
 

@@ -1,12 +1,19 @@
-"""What is model-specific in the parallel techniques: one row per model, keyed by its class name.
+"""What is model-specific in the parallel techniques: one plan per model class, declared beside the model.
 
 The techniques (``techniques.py``: AC and compile; ``fsdp.py``; ``tensor_parallel.py``;
 ``context_parallel.py`` and ``domain_parallel.py``; ``pipeline_parallel.py``) are written once for every
-model and read only a model's row here; the models themselves know nothing of parallelism. A new model
-is a model file, a config, a task entry (utils/tasks.py) and a row in :data:`PLANS`; a row may leave a
-technique out (None), and the technique then refuses the model in one line.
+model and read only a model's plan; the models themselves know nothing of parallelism. The built-in models'
+plans are registered below; a model of yours registers its own where it is defined (the module that
+``model_class`` names, which the scripts import before anything reads the plan)::
 
-Each row says:
+    from utils.parallel.plans import ModelPlan, register_plan
+    register_plan(FNO2d, ModelPlan(units={"block": lambda model: model.blocks()}))
+
+A model with no plan gets its units from its ``blocks()``, if it has that method (the model contract:
+docs/part4-your-model.md), and nothing else. A plan may leave a technique out (None), and the technique then
+refuses the model in one line that names it and the missing plan.
+
+Each plan says:
 
 - ``units``: the modules that activation checkpointing, torch.compile and FSDP2 wrap one by one, by unit
   name ("block": every transformer block or U-Net level; "layer": SwinIR's residual groups, RSTBs).
@@ -27,6 +34,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
+from models import SwinIR, UNet3D, ViT
 from utils.config import ConfigError
 
 
@@ -107,30 +115,48 @@ def swinir_styles(model: nn.Module) -> dict:
     return plan
 
 
-PLANS = {
-    "SwinIR": ModelPlan(
-        units={"block": lambda model: model.blocks(), "layer": lambda model: model.rstb_layers()},
-        tp=TensorParallelPlan(swinir_styles, heads=lambda model: [b.attn.num_heads for b in model.swin_blocks()],
-                              fused_qkv=lambda model: [b.attn for b in model.swin_blocks()], local_output=True),
-        cp="fields",
-        stages=StagePlan("layers", stem=("conv_first", "patch_embed", "absolute_pos_embed", "pos_drop"),
-                         tail=("norm", "conv_after_body", "conv_before_upsample", "upsample", "conv_last",
-                               "conv_up1", "conv_up2", "conv_hr", "lrelu")),
-    ),
-    "ViT": ModelPlan(
-        units={"block": lambda model: model.blocks()},
-        tp=TensorParallelPlan(vit_styles, heads=lambda model: [b.attn.q.out_features // b.attn.head_dim
-                                                                for b in model.transformer]),
-        cp="tokens",
-        stages=StagePlan("transformer", stem=("patch_embed", "pos_embed"), tail=("norm", "head")),
-    ),
-    "UNet3D": ModelPlan(units={"block": lambda model: model.blocks()}),
-}
+_PLANS: dict[type, ModelPlan] = {}
+
+
+def register_plan(model_class: type, plan: ModelPlan) -> None:
+    """Declare ``model_class``'s plan (for it and its subclasses); call it beside the model, once."""
+    _PLANS[model_class] = plan
+
+
+register_plan(SwinIR, ModelPlan(
+    units={"block": lambda model: model.blocks(), "layer": lambda model: model.rstb_layers()},
+    tp=TensorParallelPlan(swinir_styles, heads=lambda model: [b.attn.num_heads for b in model.swin_blocks()],
+                          fused_qkv=lambda model: [b.attn for b in model.swin_blocks()], local_output=True),
+    cp="fields",
+    stages=StagePlan("layers", stem=("conv_first", "patch_embed", "absolute_pos_embed", "pos_drop"),
+                     tail=("norm", "conv_after_body", "conv_before_upsample", "upsample", "conv_last",
+                           "conv_up1", "conv_up2", "conv_hr", "lrelu")),
+))
+register_plan(ViT, ModelPlan(
+    units={"block": lambda model: model.blocks()},
+    tp=TensorParallelPlan(vit_styles, heads=lambda model: [b.attn.q.out_features // b.attn.head_dim
+                                                            for b in model.transformer]),
+    cp="tokens",
+    stages=StagePlan("transformer", stem=("patch_embed", "pos_embed"), tail=("norm", "head")),
+))
+register_plan(UNet3D, ModelPlan(units={"block": lambda model: model.blocks()}))
 
 
 def model_plan(model: nn.Module) -> ModelPlan:
-    """The model's row; a model without one has none of the techniques' plans (each refuses it in one line)."""
-    return PLANS.get(type(model).__name__, ModelPlan())
+    """The plan registered for the model's class (or a base class); else units from its ``blocks()``, if any."""
+    for cls in type(model).__mro__:
+        if cls in _PLANS:
+            return _PLANS[cls]
+    if callable(getattr(model, "blocks", None)):  # the contract's one optional method, not a model's internals
+        return ModelPlan(units={"block": lambda model: model.blocks()})
+    return ModelPlan()
+
+
+def missing_plan(model: nn.Module, what: str, flag: str) -> ConfigError:
+    """The one line of a technique that the model's plan leaves out."""
+    name = type(model).__name__
+    return ConfigError(f"the {name} has no {what} plan: use {flag}, or declare one beside the model "
+                       f"(register_plan({name}, ModelPlan(...)): utils/parallel/plans.py, docs/part4-your-model.md)")
 
 
 def ac_units(model: nn.Module, unit: str) -> list[nn.Module]:
@@ -138,8 +164,10 @@ def ac_units(model: nn.Module, unit: str) -> list[nn.Module]:
     if unit not in UNITS:
         raise ValueError(f"unit must be 'block' or 'layer', got {unit!r}")
     units = model_plan(model).units
+    if not units:
+        raise missing_plan(model, "unit (blocks() returning its repeated layers, or a plan with units)", "--ac none")
     if unit not in units:
-        name, have = type(model).__name__, " and ".join(f"{u}s" for u in units) or "no units"
-        fix = " / ".join(f"--ac {u} / --fsdp_unit {u}" for u in units) or "--ac none"
+        name, have = type(model).__name__, " and ".join(f"{u}s" for u in units)
+        fix = " / ".join(f"--ac {u} / --fsdp_unit {u}" for u in units)
         raise ConfigError(f"unit {unit!r} is not one of the {name}'s units: the {name} has {have} only: use {fix}")
     return list(units[unit](model))

@@ -22,7 +22,7 @@ from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.nn.parallel import DistributedDataParallel
 
 from utils.config import ConfigError
-from utils.parallel.plans import ac_units
+from utils.parallel.plans import ac_units, model_plan
 
 
 def apply_ac(model: nn.Module, mode: str) -> nn.Module:
@@ -58,12 +58,10 @@ def apply_compile(model: nn.Module, enabled: bool, backend: str = "inductor", cu
     if cuda_graphs and not all(p.is_cuda for p in model.parameters()):
         raise ConfigError("cuda_graphs records CUDA kernels; this model is not on a CUDA device: drop --cuda_graphs "
                           "(or run on a GPU)")
-    blocks = list(model.blocks())
-    variants = {(getattr(block, "shift_size", 0), getattr(getattr(block, "drop_path", None), "drop_prob", 0.0),
-                 tuple(p.shape for p in block.parameters())) for block in blocks}
-    # Each variant may also compile once more for validation (no_grad) and, under autocast, for an fp32 and a
-    # low-precision input (the U-Net's first block takes the fp32 crop, the others bf16 activations).
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(variants))
+    blocks = ac_units(model, "block") if model_plan(model).units else [model]  # no units: the model as one
+    # Each block may differ (SwinIR's shift, a drop-path rate, the U-Net's widths) and compile once more for
+    # validation (no_grad) and, under autocast, for an fp32 and a low-precision input: a limit per block.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(blocks))
     for block in blocks:
         block.compile(backend=backend, mode="reduce-overhead" if cuda_graphs else None)
     return model

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import parallelize_module
 
 from utils.config import ConfigError
-from utils.parallel.plans import PLANS, model_plan
+from utils.parallel.plans import missing_plan, model_plan
 
 
 def _heads_of_this_rank(attn: nn.Module, mesh) -> None:
@@ -74,8 +74,7 @@ def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
         return model
     plan = model_plan(model).tp
     if plan is None:
-        raise ConfigError(f"no tensor-parallel plan for {type(model).__name__}: use --tp 1 "
-                          f"(plans: {', '.join(name for name, row in PLANS.items() if row.tp)})")
+        raise missing_plan(model, "tensor-parallel", "--tp 1")
     for heads in plan.heads(model):
         check_heads(heads, tp_mesh.size())
     parallelize_module(model, tp_mesh, plan.styles(model))

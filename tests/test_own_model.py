@@ -1,0 +1,175 @@
+"""A model of your own, first class: by class path from a folder outside the repository, its config starting from a
+named one (``base:``), its contract checked when it is built (one line per breach), its plan beside it.
+
+The models here are written into the test's own folder, as a user's would be; examples/fno (Part IV) is the
+worked example, run by the pages' tests.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from models import ModelError, build_model
+from tests.conftest import FakeMesh, exit_in_one_process, read_metrics, run_script
+from utils.config import ConfigError, build_config
+from utils.parallel.plans import ac_units, model_plan
+from utils.parallel.tensor_parallel import apply_tp
+from utils.tasks import Forecast
+
+MODELS = '''
+import torch
+from torch import nn
+from models.common import PhysicalUnitsModel
+
+
+class Mixer(PhysicalUnitsModel):
+    """A forecaster in the contract: takes the data's in_chans, mean and std, normalises inside."""
+
+    def __init__(self, in_chans, mean, std, hidden=8, depth=2):
+        super().__init__()
+        self.register_normalization(mean, std)
+        self.inp = nn.Conv2d(in_chans, hidden, 1)
+        self.body = nn.ModuleList(nn.Conv2d(hidden, hidden, 3, padding=1) for _ in range(depth))
+        self.out = nn.Conv2d(hidden, in_chans, 1)
+
+    def blocks(self):
+        return list(self.body)
+
+    def forward(self, x):
+        h = self.inp((x - self.data_mean) / self.data_std)
+        for block in self.body:
+            h = h + torch.tanh(block(h))
+        return x + self.out(h) * self.data_std
+
+
+class Spectral(Mixer):
+    def __init__(self, in_chans, mean, std):
+        super().__init__(in_chans, mean, std)
+        self.weights = nn.Parameter(torch.randn(4, 4, dtype=torch.cfloat))
+
+
+class Raw(nn.Module):
+    """No mean and std: it would train on raw z500 (~5e4)."""
+
+    def __init__(self, in_chans):
+        super().__init__()
+        self.conv = nn.Conv2d(in_chans, in_chans, 1)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+class Shrinks(Mixer):
+    def forward(self, x):
+        return super().forward(x)[..., ::2]
+
+
+def picky(in_chans, mean, std, hidden):
+    if hidden % 2:
+        raise ValueError(f"hidden must be even, got {hidden}")
+    return Mixer(in_chans, mean, std, hidden)
+'''
+
+CONFIGS = '''
+mixer:
+  base: vit_quickstart
+  model: mixer
+  model_class: mymodels:Mixer
+  model_args: {hidden: 8}
+  max_steps: 4
+  val_every: 4
+  log_every: 2
+mixer_deeper:
+  base: mixer
+  model_args: {depth: 3}
+bare: {base: vit_quickstart, model: mine, model_class: "mymodels:Mixer"}
+loop_a: {base: loop_b}
+loop_b: {base: loop_a}
+orphan: {base: nowhere}
+'''
+
+
+@pytest.fixture(scope="module")
+def user_folder(tmp_path_factory) -> Path:
+    """A folder outside the repository with a user's models and configs, as a scientist would have."""
+    folder = tmp_path_factory.mktemp("my_project")
+    (folder / "mymodels.py").write_text(textwrap.dedent(MODELS))
+    (folder / "configs.yaml").write_text(textwrap.dedent(CONFIGS))
+    return folder
+
+
+def config(folder: Path, name: str = "mixer", **overrides):  # overrides: keys of the config, as on the command line
+    stats = {"mean": [0.0] * 20, "std": [1.0] * 20}  # what the data would fill in
+    return build_config(name, {**stats, **overrides}, folder / "configs.yaml")
+
+
+def test_a_config_of_yours_starts_from_a_named_one_across_files(user_folder):
+    cfg = config(user_folder, "mixer_deeper", **{"model_args.hidden": 6})
+    assert (cfg.data.task, cfg.train.batch_size, cfg.train.max_steps) == ("forecast", 8, 4)  # from vit_quickstart
+    assert cfg.model.model_args == {"hidden": 6, "depth": 3}  # merged name by name: base, own, command line
+    assert cfg.model.model_path == str(user_folder)
+    model = build_model(cfg)
+    assert type(model).__name__ == "Mixer" and len(model.blocks()) == 3
+    with pytest.raises(ConfigError, match="configs loop_a -> loop_b -> loop_a name each other as base"):
+        config(user_folder, "loop_a")
+    with pytest.raises(ConfigError, match="unknown base 'nowhere' of config 'orphan'"):
+        config(user_folder, "orphan")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"model_class": "nowhere:Net"}, "model_class nowhere:Net: no module 'nowhere' on PYTHONPATH or in "),
+    ({"model_class": "mymodels:Nothing"}, "model_class mymodels:Nothing: module mymodels (.*) has no class or function"),
+    ({"model_args.width": 3}, r"model_args width: not an argument of mymodels:Mixer \(it takes in_chans, mean, std, "
+                              r"hidden, depth\)"),
+    ({"model_class": "mymodels:picky"}, "mymodels:picky needs hidden: set them in model_args"),
+    ({"model_class": "mymodels:picky", "model_args.hidden": 3}, r"mymodels:picky\(.*hidden=3\): hidden must be even"),
+    ({"model_class": "mymodels:Spectral"}, r"mymodels:Spectral: parameter weights is complex .*torch.view_as_real"),
+])
+def test_a_model_that_cannot_be_built_is_one_line(user_folder, overrides, message):
+    with pytest.raises(ModelError, match=message) as info:
+        build_model(config(user_folder, "bare", **overrides))
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("model_class, message", [
+    ("mymodels:Raw", "mymodels:Raw takes no mean and std, but task forecast gives it physical units"),
+    ("mymodels:Shrinks", r"mymodels:Shrinks maps a sample of task forecast of shape \(20, 16, 32\) to \(20, 16, 16\), "
+                         r"but the targets are \(20, 16, 32\)"),
+])
+def test_the_contract_is_checked_for_the_task_at_build_time(user_folder, model_class, message):
+    cfg = config(user_folder, "bare", model_class=model_class)
+    sample = (torch.zeros(20, 16, 32), torch.zeros(20, 16, 32))
+    with pytest.raises(ModelError, match=message):
+        Forecast.check_model(Forecast.__new__(Forecast), cfg.model, sample)
+
+
+def test_its_plan_units_from_blocks_and_a_missing_technique_named(user_folder):
+    model = build_model(config(user_folder))
+    assert ac_units(model, "block") == list(model.body)  # no plan registered: the contract's blocks()
+    assert model_plan(model).tp is None
+    with pytest.raises(ConfigError, match=r"the Mixer has no tensor-parallel plan: use --tp 1, or declare one beside "
+                                          r"the model \(register_plan\(Mixer"):
+        apply_tp(model, FakeMesh())
+
+
+def test_the_built_in_names_and_keys_stay_the_built_in_models(user_folder):
+    with pytest.raises(ConfigError, match="model 'vit' is the built-in one, but model_class is mymodels:Mixer: give "
+                                          "your model a name of its own"):
+        config(user_folder, model="vit")
+    with pytest.raises(ConfigError, match="model 'mixer' is not one of the built-in models"):
+        build_config("vit_quickstart", {"model": "mixer"})
+
+
+def test_it_trains_and_resumes_like_a_built_in_model(user_folder, vit_data, tmp_path, capsys):
+    run = tmp_path / "run"
+    args = ["--config_file", str(user_folder / "configs.yaml"), "--config", "mixer", "--data_dir", str(vit_data),
+            "--run_dir", str(run), "--batch_size", "4", "--val_samples", "5", "--progress", "never"]
+    run_script("train.py", *args, in_process=True)
+    assert [r["step"] for r in read_metrics(run) if r["kind"] == "val"] == [4]
+    run_script("train.py", *args, "--max_steps", "6", "--resume", in_process=True)  # the checkpoint finds the model
+    code, err = exit_in_one_process(capsys, "train.py", *args, "--model_args.hidden", "4", "--resume", "--max_steps", "8")
+    assert code == 2 and "holds a model built with other settings: model_args" in err[-1], err

@@ -1,0 +1,137 @@
+"""Value checks of a config that types alone do not catch (utils/config.py builds the config, then calls
+:func:`validate`); checks against the data are utils.data.era5.resolve_from_data's.
+
+The keys of the built-in models (embed_dim, depths, ...) are checked here; a model of yours (``model_class``)
+checks its ``model_args`` in its own constructor, and the model contract is checked when it is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from utils.config_files import ConfigError
+
+
+def validate(cfg) -> None:
+    """ConfigError for the first value of ``cfg`` (a utils.config.Config) that cannot work; fills in a built-in
+    model's model_class."""
+    d, m, t = cfg.data, cfg.model, cfg.train
+    values = {**dataclasses.asdict(m), **dataclasses.asdict(d), **dataclasses.asdict(t), **dataclasses.asdict(cfg.dist)}
+    for key in ("batch_size", "upscale", "lead", "in_chans", "n_patches", "out_chans", "log_every", "dist_timeout_s",
+                *(("window_size", "embed_dim", "patch_size") if m.model in BUILT_IN_MODELS else ())):
+        if not 0 < values[key] < math.inf:  # NaN too
+            raise ConfigError(f"{key} must be > 0, got {values[key]}")
+    for key in ("max_steps", "epochs", "val_every", "ckpt_every", "ckpt_every_minutes", "keep_checkpoints",
+                "num_workers", "train_samples", "val_samples", "val_batch_size", "crop_size"):
+        if not 0 <= values[key] < math.inf:
+            raise ConfigError(f"{key} must be >= 0, got {values[key]}")
+    if t.max_steps == 0 and t.epochs == 0:
+        raise ConfigError("set epochs > 0 or max_steps > 0")
+    if d.task == "sr" and d.crop_size and d.crop_size % m.upscale:
+        raise ConfigError(f"crop_size {d.crop_size} must be divisible by upscale {m.upscale}")
+    if d.task == "forecast" and d.crop_size:
+        raise ConfigError(f"task forecast trains and validates on whole fields (latitude weights, climatology): "
+                          f"set crop_size 0, not {d.crop_size}")
+    if len(m.img_size) not in (1, 2) or min(m.img_size) <= 0:
+        raise ConfigError(f"img_size must be [height, width] or [side] with positive sides, got {m.img_size}")
+    _validate_model_class(m)
+    if m.model in BUILT_IN_MODELS:
+        _validate_built_in(cfg)
+    if d.task == "volume":
+        _validate_volume(cfg)
+    elif t.lambda_rho:
+        raise ConfigError(f"lambda_rho weighs the density of task volume (SC22's U-Net); task {d.task} has none: set 0")
+    if cfg.dist.tp < 1 or cfg.dist.cp < 1:
+        raise ConfigError(f"tp and cp must be >= 1, got tp {cfg.dist.tp}, cp {cfg.dist.cp}")
+    if cfg.dist.pp < 1 or cfg.dist.pp_microbatches < 1 or any(n < 1 for n in cfg.dist.pp_split):
+        raise ConfigError(f"pp and pp_microbatches must be >= 1 and pp_split entries >= 1, got pp {cfg.dist.pp}, "
+                          f"pp_microbatches {cfg.dist.pp_microbatches}, pp_split {cfg.dist.pp_split}")
+    if sorted(cfg.dist.parallel_order.split("-")) != ["cp", "dp", "tp"]:
+        raise ConfigError(f"parallel_order must name tp, cp and dp once each, joined by '-' (e.g. tp-cp-dp), "
+                          f"got {cfg.dist.parallel_order!r}")
+    if len(m.mean) != len(m.std) or (m.mean and len(m.mean) != m.in_chans):
+        raise ConfigError(f"mean and std need {m.in_chans} values each (in_chans), or both empty "
+                          f"(= from <data_dir>/stats); got {len(m.mean)} and {len(m.std)}")
+    if any(s <= 0 for s in m.std):
+        raise ConfigError(f"std must be > 0, got {m.std}")
+    named, key = (m.out_chans, "out_chans") if d.task == "volume" else (m.in_chans, "in_chans")  # the metrics' channels
+    if d.channel_names and len(d.channel_names) != named:
+        raise ConfigError(f"channel_names has {len(d.channel_names)} names but {key} is {named}")
+    if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
+        raise ConfigError(f"betas must be two numbers in [0, 1), got {t.betas}")
+    if t.cuda_graphs and not (t.compile and t.compile_backend == "inductor"):
+        raise ConfigError("cuda_graphs replays what torch.compile's inductor captured: add --compile true "
+                          "--compile_backend inductor (or drop --cuda_graphs)")
+    if t.lr <= 0:
+        raise ConfigError(f"lr must be > 0, got {t.lr}")
+    if cfg.dist.base_batch_size <= 0 or cfg.dist.warmup_steps < 0:
+        raise ConfigError(f"base_batch_size must be > 0 and warmup_steps >= 0, got {cfg.dist.base_batch_size} and "
+                          f"{cfg.dist.warmup_steps}")
+
+
+BUILT_IN_MODELS = {"swinir": "models.swinir:build", "vit": "models.vit:build", "unet3d": "models.unet3d:UNet3D"}
+"""The built-in models by name, and what builds each from the model keys of the config (models/__init__.py)."""
+
+
+def _validate_model_class(m) -> None:
+    """A built-in model by name, or yours by model_class (then under a name of its own); fills in model_class."""
+    if not m.model_class:
+        if m.model not in BUILT_IN_MODELS:
+            raise ConfigError(f"model {m.model!r} is not one of the built-in models ({', '.join(BUILT_IN_MODELS)}): "
+                              "name its class with model_class: module:Class (docs/part4-your-model.md)")
+        m.model_class = BUILT_IN_MODELS[m.model]
+    elif m.model in BUILT_IN_MODELS and m.model_class != BUILT_IN_MODELS[m.model]:
+        raise ConfigError(f"model {m.model!r} is the built-in one, but model_class is {m.model_class}: give your "
+                          f"model a name of its own (e.g. model: {m.model_class.split(':')[-1].lower()})")
+    if m.model_class.count(":") != 1 or not all(m.model_class.split(":")):
+        raise ConfigError(f"model_class must be module:Class (e.g. fno:FNO2d), got {m.model_class!r}")
+
+
+def _validate_built_in(cfg) -> None:
+    """The keys of the built-in models (yours has model_args, which its constructor checks)."""
+    d, m, t = cfg.data, cfg.model, cfg.train
+    if len(m.depths) != len(m.num_heads):
+        raise ConfigError(f"depths {m.depths} and num_heads {m.num_heads} must have the same length")
+    if any(v <= 0 for v in m.depths + m.num_heads):
+        raise ConfigError(f"depths {m.depths} and num_heads {m.num_heads} must be > 0")
+    if any(m.embed_dim % h for h in m.num_heads):
+        raise ConfigError(f"embed_dim {m.embed_dim} must be divisible by every num_heads {m.num_heads}")
+    if m.model != "unet3d" and [h for h in m.num_heads if h % cfg.dist.tp]:
+        raise ConfigError(f"num_heads {m.num_heads} must be divisible by tp {cfg.dist.tp}: each tensor-parallel "
+                          "rank holds whole heads; use a tp that divides every num_heads")
+    if m.model == "vit":
+        if d.task != "forecast":
+            raise ConfigError(f"the ViT maps fields to fields of the same size: use task forecast, not {d.task}")
+        if len(m.depths) != 1:
+            raise ConfigError(f"the ViT has one stage: depths must have one entry (its depth), got {m.depths}")
+        if "layer" in (t.ac, cfg.dist.fsdp_unit):
+            raise ConfigError("ac/fsdp_unit 'layer' is SwinIR's RSTB; the ViT's unit is the transformer block: use block")
+        height, width = m.img_hw
+        if height % m.patch_size or width % m.patch_size:
+            raise ConfigError(f"img_size {height}x{width} is not divisible by patch_size {m.patch_size}: "
+                              "use a patch size that divides both sides")
+    if (m.model == "unet3d") != (d.task == "volume"):
+        raise ConfigError(f"task volume is what model unet3d trains on, and only it: got model {m.model} with task "
+                          f"{d.task}; use --config unet3d_base (or unet3d_quickstart)")
+    if m.model == "unet3d":
+        if not m.widths or min(m.widths) < 1:
+            raise ConfigError(f"widths must be one or more positive channel counts, got {m.widths}")
+        levels = len(m.widths) + m.full_scale
+        if d.crop_size < 2 ** levels or d.crop_size % 2 ** levels:
+            raise ConfigError(f"crop_size {d.crop_size} must be a multiple of 2**{levels} = {2 ** levels}: the U-Net "
+                              f"halves it {levels} times ({len(m.widths)} widths{' + full_scale' if m.full_scale else ''}"
+                              f"); use {max(2 ** levels, d.crop_size // 2 ** levels * 2 ** levels)} or fewer levels")
+        if "layer" in (t.ac, cfg.dist.fsdp_unit):
+            raise ConfigError("ac/fsdp_unit 'layer' is SwinIR's RSTB; the U-Net's unit is its block (each level's "
+                              "convolution): use block")
+
+
+def _validate_volume(cfg) -> None:
+    """Task volume trains on the stored (already scaled) fields with SC22's loss."""
+    t = cfg.train
+    if t.lambda_rho < 0:
+        raise ConfigError(f"lambda_rho must be >= 0, got {t.lambda_rho}")
+    if t.loss != "l1" or t.loss_space != "physical":
+        raise ConfigError(f"task volume trains with SC22's L1 loss on the stored (already scaled) fields: set loss l1 "
+                          f"and loss_space physical, not {t.loss} / {t.loss_space}")
