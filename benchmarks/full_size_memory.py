@@ -321,7 +321,8 @@ def main(argv=None) -> int:
     parser.add_argument("--measure", action="store_true",
                         help="real training steps on --device: measured peak vs the estimate, seconds per step")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="--measure's device")
-    parser.add_argument("--config", default=None, help="--measure's config (default: full_size; vit_mp for --model vit)")
+    parser.add_argument("--config", default=None,
+                        help="--measure's config (default: full_size; vit_mp for --model vit)")
     parser.add_argument("--lr_size", type=size, default=FULL, metavar="HxW", help="--measure's SwinIR low-res input")
     parser.add_argument("--batch", type=int, default=VIT_BATCH_PER_GPU, help="--measure's ViT batch")
     parser.add_argument("overrides", nargs=argparse.REMAINDER, help="--measure: -- then config keys and values")

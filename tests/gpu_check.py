@@ -26,6 +26,7 @@ import gzip
 import json
 import os
 import platform
+import shlex
 import shutil
 import signal
 import subprocess
@@ -63,7 +64,8 @@ SIZES = {
         bench=["--config", "baseline", "--size", "64", "--batch_size", "16", "--dtype", "bf16", "--steps", "5",
                "--warmup", "2", "--drop_path_rate", "0"],
         train=["--config", "baseline", "--drop_path_rate", "0"],  # no stochastic depth: 2 graphs to compile, not 36
-        profile=["--batch_size", "4", "--num_workers", "2"], ladder=["--steps", "6", "--breakdown-steps", "6", "--workers", "4"]),
+        profile=["--batch_size", "4", "--num_workers", "2"],
+        ladder=["--steps", "6", "--breakdown-steps", "6", "--workers", "4"]),
     "tiny": dict(
         data=["--samples-per-year", "4", "--height", "33", "--width", "64"],
         full_size=["--steps", "1", "--lr_size", "16x32", "--", *TINY_SWINIR],
@@ -204,7 +206,7 @@ class Check:
                     return
                 ran = ran.result()
             pending.pop(0)
-            command = " ".join(["python", *item.argv])
+            command = shlex.join(["python", *item.argv])
             if reason:
                 self.rows.append(Row(item.name, "skip", reason, command=command))
             else:
@@ -219,7 +221,8 @@ class Check:
         return {"check": "tests/gpu_check.py", "format": 1, "state": self.state, "mode": self.mode,
                 "started": self.started.isoformat(timespec="seconds"),
                 "seconds": round(time.monotonic() - self.clock, 1), "budget_s": self.args.budget_s,
-                "environment": self.env, "commit": self.commit, "counts": counts, "rows": [asdict(r) for r in self.rows]}
+                "environment": self.env, "commit": self.commit, "counts": counts,
+                "rows": [asdict(r) for r in self.rows]}
 
     def write(self) -> None:
         report = self.report()
@@ -292,9 +295,9 @@ def probe() -> int:
                              if ladder.missing(cuda).get(r.needs)}}
     if cuda:
         props = torch.cuda.get_device_properties(0)
-        info.update(device=props.name, memory_gb=props.total_memory / 1e9, capability=list(torch.cuda.get_device_capability(0)),
-                    multiprocessors=props.multi_processor_count, bf16=torch.cuda.is_bf16_supported(),
-                    cudnn=torch.backends.cudnn.version())
+        info.update(device=props.name, memory_gb=props.total_memory / 1e9,
+                    capability=list(torch.cuda.get_device_capability(0)), multiprocessors=props.multi_processor_count,
+                    bf16=torch.cuda.is_bf16_supported(), cudnn=torch.backends.cudnn.version())
         try:
             info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                                             capture_output=True, text=True, timeout=20).stdout.strip()
@@ -317,7 +320,7 @@ def judge_probe(ran: Ran, check: Check) -> list[Row]:
 
 
 def judge_exit(ran: Ran, check: Check) -> list[Row]:
-    return [Row("data", "pass" if ran.code == 0 else "fail", figures={"folder": str(check.data)})]
+    return [Row("data", "pass" if ran.code == 0 else "fail", figures={"arguments": " ".join(check.sizes["data"])})]
 
 
 def judge_tests(ran: Ran, check: Check) -> list[Row]:

@@ -110,7 +110,8 @@ def main(argv=None) -> int:
         if outputs and args.write:
             rewrite(page, outputs)
     action = "rewrote" if args.write else "differ; `make docs-outputs` rewrites them"
-    print(f"{stale} marked output block(s) {action}" if stale else "every marked output block equals its command's output")
+    print(f"{stale} marked output block(s) {action}" if stale else
+          "every marked output block equals its command's output")
     return 1 if stale and not args.write else 0
 
 

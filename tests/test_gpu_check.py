@@ -47,7 +47,8 @@ def test_dry_run_passes_what_a_cpu_can_run_and_reports_the_rest_as_skipped(tmp_p
     assert rows["profiling"]["figures"]["trace_mb"] > 0
     assert rows["ladder: device pipeline"]["figures"]["samples_per_sec"] > 0
     # The markdown: a title naming device and versions, then one table row per report row.
-    assert markdown.startswith(f"# GPU check: {report['environment']['device']}, torch {report['environment']['torch']}")
+    env = report["environment"]
+    assert markdown.startswith(f"# GPU check: {env['device']}, torch {env['torch']}")
     table = [line for line in markdown.splitlines() if line.startswith("| ")]
     assert table[0] == "| item | status | s | figures | reason |" and len(table) == len(rows) + 2
 
