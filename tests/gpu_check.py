@@ -164,9 +164,10 @@ class Check:
             self.stop(child)
 
     def skip_reason(self, item: Item) -> str:
-        if self.args.only and not any(item.name.startswith(prefix) for prefix in self.args.only):
+        first = item.name in ("environment", "data")  # what every other item needs: always run
+        if self.args.only and not first and not any(item.name.startswith(prefix) for prefix in self.args.only):
             return "not selected (--only)"
-        if item.name not in ("environment", "data"):
+        if not first:
             if not self.env:
                 return "not run: the environment probe failed (see its row)"
             if not self.cuda and self.mode == "gpu":

@@ -85,6 +85,14 @@ def test_an_item_that_no_longer_fits_the_budget_is_not_run(tmp_path):
     assert re.fullmatch(r"not run: time budget \(\d s left of 5, needs 30\)", check.rows[0].reason)
 
 
+def test_only_selects_by_prefix_and_keeps_what_the_others_need(tmp_path):
+    check = a_check(tmp_path, only=["ladder: c"], budget_s=600.0)
+    reasons = {item.name: check.skip_reason(item) for item in gpu_check.items(check)}
+    assert reasons["environment"] == reasons["data"] == reasons["ladder: cuda graphs"] == ""
+    assert reasons["profiling"] == reasons["ladder: tf32"] == "not selected (--only)"
+    assert reasons["ladder: compile"].startswith("not in the tiny dry run")
+
+
 @pytest.mark.parametrize("argv, message", [([], "--out DIR is required"), (["--out", "x", "--budget-s", "0"],
                                                                            "--budget-s must be > 0")])
 def test_bad_arguments_stop_with_one_line(argv, message, capsys):
