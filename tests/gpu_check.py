@@ -148,16 +148,19 @@ class Check:
                 code = child.wait(timeout=min(item.timeout, left))
             except subprocess.TimeoutExpired:
                 code = None
-                self.stop(child)
             finally:
+                self.stop(child)
                 self.children.discard(child)
         return Ran(code, log.read_text(errors="replace"), time.monotonic() - start)
 
     @staticmethod
     def stop(child: subprocess.Popen) -> None:
-        if child.poll() is None:
+        """The item's whole process group: also what it left behind (a loader worker, a rank holding GPU memory)."""
+        try:
             os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
+        except ProcessLookupError:  # the group is empty: everything ended
+            pass
+        child.wait()
 
     def stop_children(self) -> None:
         for child in list(self.children):
