@@ -19,6 +19,7 @@ import argparse
 import difflib
 import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,27 +93,56 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from tests.test_readme import PAGES, REPO, canonical, run_command  # it imports this module: not at the top
 
-    os.chdir(REPO)  # the commands run as the pages write them, from the repository root
-    stale = 0
-    for page in PAGES:
-        outputs = {}
-        for block in exact_blocks(page):
-            result = run_command(canonical(block.command), REPO)
-            diff = differences(block, result.output)
-            if result.returncode:  # a crash's traceback is no output to show
-                stale += 1
-                print(f"{page.relative_to(REPO)}:{block.line}: `{result.ran}` exited {result.returncode}; not rewritten"
-                      f"\n{result.output[-2000:]}")
-            elif diff:
-                stale += 1
-                outputs[block.fence] = result.output
-                print(f"{page.relative_to(REPO)}:{block.line}: {block.command}\n{diff}\n")
-        if outputs and args.write:
-            rewrite(page, outputs)
-    action = "rewrote" if args.write else "differ; `make docs-outputs` rewrites them"
+    with tempfile.TemporaryDirectory() as scratch:
+        ws = workspace(REPO, Path(scratch))
+        return rewrite_all(PAGES, args.write, ws, lambda command, where: run_command(canonical(command), where))
+
+
+def workspace(repo: Path, scratch: Path) -> Path:
+    """A copy of the repository layout as tests/test_readme.py runs the pages in (links), without data sets: a
+    command that reads the data (the estimate's field size) prints here what it prints there."""
+    ws = scratch / "repo"
+    (ws / "datasets").mkdir(parents=True)
+    for entry in repo.iterdir():
+        if entry.name not in ("runs", "datasets", ".git"):
+            (ws / entry.name).symlink_to(entry)
+    for entry in (repo / "datasets").iterdir():
+        if entry.is_file():  # the scripts, not the data
+            (ws / "datasets" / entry.name).symlink_to(entry)
+    return ws
+
+
+def rewrite_all(pages: list[Path], write: bool, ws: Path, run) -> int:
+    """Run every marked block's command in ``ws``; print what differs, rewrite it with ``write``."""
+    here, stale = os.getcwd(), 0
+    os.chdir(ws)  # the commands run as the pages write them, from the repository root
+    try:
+        for page in pages:
+            stale += check_page(page, write, ws, run)
+    finally:
+        os.chdir(here)
+    action = "rewrote" if write else "differ; `make docs-outputs` rewrites them"
     print(f"{stale} marked output block(s) {action}" if stale else
           "every marked output block equals its command's output")
-    return 1 if stale and not args.write else 0
+    return 1 if stale and not write else 0
+
+
+def check_page(page: Path, write: bool, ws: Path, run) -> int:
+    stale, outputs, name = 0, {}, page.name
+    for block in exact_blocks(page):
+        result = run(block.command, ws)
+        diff = differences(block, result.output)
+        if result.returncode:  # a crash's traceback is no output to show
+            stale += 1
+            print(f"{name}:{block.line}: `{result.ran}` exited {result.returncode}; not rewritten\n"
+                  f"{result.output[-2000:]}")
+        elif diff:
+            stale += 1
+            outputs[block.fence] = result.output
+            print(f"{name}:{block.line}: {block.command}\n{diff}\n")
+    if outputs and write:
+        rewrite(page, outputs)
+    return stale
 
 
 if __name__ == "__main__":

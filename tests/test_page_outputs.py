@@ -3,6 +3,7 @@ is one line."""
 
 import pytest
 
+from tests.conftest import REPO
 from tests.page_outputs import MARKER, PageError, differences, exact_blocks, rewrite
 
 PAGE = f"""# A page
@@ -46,3 +47,24 @@ def test_a_misplaced_marker_is_one_line(tmp_path, text, problem):
     page.write_text(text)
     with pytest.raises(PageError, match=f"page.md:1: .*{problem[:20]}"):
         exact_blocks(page)
+
+
+def test_the_command_reports_stale_blocks_and_rewrites_them_with_write(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from tests.page_outputs import rewrite_all, workspace
+
+    page = tmp_path / "page.md"
+    page.write_text(PAGE)
+    ws = workspace(REPO, tmp_path / "scratch")
+    assert (ws / "plan.py").resolve() == REPO / "plan.py" and not list((ws / "datasets").glob("synthetic*"))
+    ran = []
+
+    def run(command, where):
+        ran.append((command, where))
+        return SimpleNamespace(returncode=0, output="total   11.48\nwhy: fits\n", ran=command)
+
+    assert rewrite_all([page], False, ws, run) == 1 and page.read_text() == PAGE  # without --write: only listed
+    assert "page.md:5: python plan.py --config x" in capsys.readouterr().out
+    assert rewrite_all([page], True, ws, run) == 0 and "total   11.48\nwhy: fits\n```" in page.read_text()
+    assert ran == [("python plan.py --config x", ws)] * 2
