@@ -8,6 +8,10 @@
 # and for your own netCDF / GRIB / Zarr data (datasets/convert.py):
 #   make install-data  the converter's readers (requirements-data.txt: xarray, netCDF4, h5netcdf, zarr, cfgrib)
 #   make real-data     real ERA5 fields for its tests and examples (datasets/real: cfgrib's sample, from PyPI)
+# and on a machine with a CUDA GPU, with the torch already there (no .venv, no network):
+#   make gpu-check   tests/gpu_check.py: the CUDA tests, Steps 1-2 measured, MFU, profiling, the ladder; one report
+# and after a change to what the pages' deterministic outputs show (the estimate, the plan):
+#   make docs-outputs  rewrites those output blocks from fresh runs (tests/test_readme.py compares them exactly)
 # Installs take the tested versions from constraints.txt; `make lock` refreshes it, LOCK= skips it.
 PYTHON ?= python3
 VENV ?= .venv
@@ -23,7 +27,8 @@ LOCK ?= $(LOCK_FILE)
 # (the pinned version, without the CUDA libraries) before everything else, which then keeps it.
 TORCH_INDEX ?=
 
-.PHONY: train train-vit train-unet test data data-vit data-unet install install-data real-data lock clean
+.PHONY: train train-vit train-unet test data data-vit data-unet install install-data real-data lock clean gpu-check \
+	docs-outputs
 
 install: $(VENV)/.installed
 
@@ -108,6 +113,15 @@ test: $(VENV)/.installed $(VENV)/.installed-data real-data
 	bash tests/install_slurm.sh
 	$(VENV)/bin/lint-imports --no-logo
 	$(PY) -m pytest -q tests
+
+# The GPU check runs with whatever python holds the GPU's torch (PYTHON=python3: a GPU machine's own, or an activated
+# cluster environment); it makes its own small data and writes $(GPU_CHECK_OUT)/gpu_check.json and .md.
+GPU_CHECK_OUT ?= runs/gpu_check
+gpu-check:
+	$(PYTHON) tests/gpu_check.py --out $(GPU_CHECK_OUT)
+
+docs-outputs: $(VENV)/.installed
+	$(PY) -m tests.page_outputs --write
 
 clean:
 	rm -rf runs $(QUICKSTART_DATA) $(VIT_DATA) $(VOLUME_DATA)

@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -58,12 +59,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="override the config's stochastic depth rate (default: keep it)")
     parser.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA (peak and step alike)")
     parser.add_argument("--peak_seconds", type=float, default=0.3, help="time spent per matmul size for the peak")
+    parser.add_argument("--peak_sizes", type=int, nargs="+", default=None, metavar="N",
+                        help="matmul sides swept for the peak (default: 1024 2048 4096 on a CPU, 4096 8192 on a GPU)")
     parser.add_argument("--breakdown", action="store_true",
                         help="profile 3 more steps: time per FLOP-counted op and the fraction's ceiling")
     args = parser.parse_args(argv)
     for name in ("size", "batch_size", "steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.peak_sizes and min(args.peak_sizes) < 1:
+        parser.error(f"--peak_sizes must be >= 1, got {args.peak_sizes}")
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -155,9 +160,10 @@ def matmul_rate(device: torch.device, dtype: torch.dtype, n: int, min_seconds: f
     return 2 * n ** 3 * reps / elapsed
 
 
-def matmul_peak(device: torch.device, dtype: torch.dtype, min_seconds: float = 0.3) -> tuple[float, int]:
+def matmul_peak(device: torch.device, dtype: torch.dtype, min_seconds: float = 0.3,
+                sizes: Optional[list[int]] = None) -> tuple[float, int]:
     """Best FLOP/s (and the size reaching it) of square matmuls on device."""
-    sizes = (1024, 2048, 4096) if device.type == "cpu" else (4096, 8192)
+    sizes = sizes or ((1024, 2048, 4096) if device.type == "cpu" else (4096, 8192))
     return max((matmul_rate(device, dtype, n, min_seconds), n) for n in sizes)
 
 
@@ -219,7 +225,7 @@ def main(argv=None) -> int:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    peak_flops, peak_n = matmul_peak(device, dtype, args.peak_seconds)
+    peak_flops, peak_n = matmul_peak(device, dtype, args.peak_seconds, args.peak_sizes)
     with FlopCounterMode(display=False) as counter:
         forward_backward()
     optimizer.zero_grad(set_to_none=True)
@@ -234,7 +240,8 @@ def main(argv=None) -> int:
     if dtype == torch.bfloat16:
         bf16_peak = peak_flops
     else:
-        bf16_peak = matmul_peak(device, torch.bfloat16, args.peak_seconds)[0] if supports_bf16_matmul(device) else None
+        bf16_peak = (matmul_peak(device, torch.bfloat16, args.peak_seconds, args.peak_sizes)[0]
+                     if supports_bf16_matmul(device) else None)
 
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_description()

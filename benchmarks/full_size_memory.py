@@ -28,6 +28,16 @@ then the estimate on the GPU path for one GPU (batch 16 and vit_mp's whole batch
 
     python benchmarks/full_size_memory.py --model vit
 
+``--measure`` runs real training steps on one device instead (a GPU: tests/gpu_check.py): per setting the
+measured peak (``torch.cuda.max_memory_allocated`` over a step, parameters and AdamW state included) next to the
+estimate of that device's path, and the seconds per step. SwinIR: the whole field in bf16 + AC, bf16 and fp32
+(fp32 also at half the height and width where the estimate exceeds the GPU: the whole field then runs out of
+memory, which is recorded); the ViT (vit_mp, 16 samples): bf16 with and without AC. One JSON line per setting as
+it completes; arguments after ``--`` override config keys (the CPU dry run's tiny models).
+
+    python benchmarks/full_size_memory.py --measure --device cuda
+    python benchmarks/full_size_memory.py --measure --device cuda --model vit
+
 The last line printed is one JSON object with every figure.
 """
 
@@ -39,6 +49,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -46,8 +57,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from utils.checkpoint import replaced_atomically, reporting_write_failures  # noqa: E402
 from utils.config import build_config  # noqa: E402
 from utils.memory.estimate import GB, estimate_memory  # noqa: E402
-from utils.memory.measure import (build_for_measurement, measure_config, measure_saved_activations,  # noqa: E402
-                                  random_batch, time_training_step, trace_saved_activations)
+from utils.memory.measure import (build_for_measurement, loss_for, measure_config,  # noqa: E402
+                                  measure_saved_activations, measure_training_memory, random_batch,
+                                  time_training_step, trace_saved_activations)
+from utils.memory.shapes import input_size  # noqa: E402
 from utils.training import run_cli
 
 SETTINGS = {"fp32": dict(amp_dtype="none", ac="none"), "bf16": dict(amp_dtype="bf16", ac="none"),
@@ -62,9 +75,9 @@ def size(text: str) -> tuple[int, int]:
     return height, width
 
 
-def config(setting: str, device: str = "cpu"):
+def config(setting: str, device: str = "cpu", name: str = "full_size", overrides: Optional[dict] = None):
     # Stochastic depth off: the step is the same computation in every run (it changes no memory term).
-    return build_config("full_size", {**SETTINGS[setting], "device": device, "drop_path_rate": 0.0})
+    return build_config(name, {**SETTINGS[setting], "device": device, "drop_path_rate": 0.0, **(overrides or {})})
 
 
 def measure_full_size_activations(args) -> dict:
@@ -191,8 +204,9 @@ VIT_CONFIGS = ("vit_base", "vit_mp")
 VIT_BATCH_PER_GPU = 16  # NERSC: global batch 64 over 4-way data parallelism
 
 
-def vit_config(name: str, setting: str, device: str = "cpu", batch: int = VIT_BATCH_PER_GPU):
-    return build_config(name, {**SETTINGS[setting], "device": device, "batch_size": batch})
+def vit_config(name: str, setting: str, device: str = "cpu", batch: int = VIT_BATCH_PER_GPU,
+               overrides: Optional[dict] = None):
+    return build_config(name, {**SETTINGS[setting], "device": device, "batch_size": batch, **(overrides or {})})
 
 
 def vit_full_size(args) -> dict:
@@ -200,7 +214,6 @@ def vit_full_size(args) -> dict:
     import dataclasses
 
     from models import build_model
-    from utils.memory.measure import loss_for
     from utils.parallel.techniques import apply_ac
 
     print(f"threads {torch.get_num_threads()}; GB = 1e9 bytes")
@@ -240,6 +253,57 @@ def vit_full_size(args) -> dict:
     return 0
 
 
+def measured_cases(args, device: torch.device, overrides: dict) -> list[tuple[str, object, Optional[tuple]]]:
+    """(setting, config, low-res size or None for the model's own) of each --measure run, cheapest first: a run
+    that runs out of memory (fp32's whole field on an 80 GB GPU) comes last."""
+    if args.model == "vit":
+        name = args.config or "vit_mp"
+        return [(s, vit_config(name, s, device.type, args.batch, overrides), None) for s in ("bf16 + AC block", "bf16")]
+    name, field = args.config or "full_size", args.lr_size
+    cases = [(s, config(s, device.type, name, overrides), field) for s in ("bf16 + AC block", "bf16", "fp32")]
+    fp32 = cases[-1][1]
+    if device.type == "cuda" and estimate_memory(fp32, lr_size=field, device_type="cuda").total > \
+            torch.cuda.get_device_properties(device).total_memory:
+        cases.insert(2, ("fp32", fp32, (field[0] // 2, field[1] // 2)))
+    return cases
+
+
+def measure_case(cfg, lr_size, device: torch.device, steps: int) -> dict:
+    """One setting on ``device``: the estimate, the measured step (peak, activations) and its seconds."""
+    estimate = estimate_memory(cfg, lr_size=lr_size, device_type=device.type)
+    row = {"input": list(lr_size or input_size(cfg)), "batch": cfg.train.batch_size,
+           "estimate_gb": estimate.total / GB, "estimate_activations_gb": estimate.activations / GB}
+    try:
+        model = build_for_measurement(cfg, device)
+        lr, hr = random_batch(cfg, lr_size, device)
+        measured = measure_training_memory(model, lr, hr, cfg.train.amp_dtype, loss_for(cfg))
+        row.update(measured_peak_gb=measured.peak / GB, measured_activations_gb=measured.activations / GB,
+                   estimate_error=(estimate.total - measured.peak) / measured.peak, method=measured.method)
+        times = time_training_step(model, lr, hr, cfg.train.amp_dtype, loss_for(cfg), steps=steps)
+        row["seconds_per_step"] = statistics.median(times)
+    except torch.OutOfMemoryError as error:  # recorded: the estimate said whether it would fit
+        row.update(oom=True, error=str(error).splitlines()[0][:200])
+    return row
+
+
+def measure_on_device(args) -> int:
+    """--measure: one JSON line per setting, then a summary line."""
+    device = torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    if args.overrides and (len(args.overrides) % 2 or not all(k.startswith("--") for k in args.overrides[::2])):
+        raise SystemExit(f"error: after -- come config keys and values (--key value ...), got {args.overrides}")
+    overrides = {key[2:]: value for key, value in zip(args.overrides[::2], args.overrides[1::2])}
+    rows = []
+    for setting, cfg, lr_size in measured_cases(args, device, overrides):
+        row = {"setting": setting, "model": args.model, "config": cfg.name, "device": str(device),
+               **measure_case(cfg, lr_size, device, args.steps)}
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the next setting starts from an empty allocator
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(json.dumps({"measured": rows, "threads": torch.get_num_threads()}))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["swinir", "vit"], default="swinir",
@@ -254,7 +318,22 @@ def main(argv=None) -> int:
     parser.add_argument("--estimate_only", action="store_true",
                         help="only the estimate, the FakeTensor traces and the PNG (seconds): no real runs")
     parser.add_argument("--png", default=str(REPO / "docs" / "memory_by_category.png"))
+    parser.add_argument("--measure", action="store_true",
+                        help="real training steps on --device: measured peak vs the estimate, seconds per step")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="--measure's device")
+    parser.add_argument("--config", default=None,
+                        help="--measure's config (default: full_size; vit_mp for --model vit)")
+    parser.add_argument("--lr_size", type=size, default=FULL, metavar="HxW", help="--measure's SwinIR low-res input")
+    parser.add_argument("--batch", type=int, default=VIT_BATCH_PER_GPU, help="--measure's ViT batch")
+    parser.add_argument("overrides", nargs=argparse.REMAINDER, help="--measure: -- then config keys and values")
     args = parser.parse_args(argv)
+    args.overrides = [a for a in args.overrides if a != "--"]
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available here")
+    if args.overrides and not args.measure:
+        parser.error("config overrides after -- are for --measure only")
+    if args.measure:
+        return measure_on_device(args)
     if args.model == "vit":
         return vit_full_size(args)
     if args.estimate_only:

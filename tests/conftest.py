@@ -21,6 +21,23 @@ sys.path.insert(0, str(REPO))
 from utils.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
 from utils.parallel.distributed import cleanup_distributed  # noqa: E402
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA device, skipped without one (tests/gpu_check.py runs these "
+                                       "on a GPU: python -m pytest -m cuda)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked cuda skip where there is no GPU, with one reason; they are not CPU coverage."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (tests/gpu_check.py runs it on a GPU)")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)
+
+
 # A SwinIR small enough to train a few steps in seconds on 2 cores; tests add it to script calls.
 TINY_MODEL = ["--depths", "[2]", "--num_heads", "[2]", "--embed_dim", "16", "--img_size", "16",
               "--drop_path_rate", "0", "--window_size", "8"]

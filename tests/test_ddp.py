@@ -109,6 +109,18 @@ def test_overhead_benchmark_alternates_variants_and_flags_noise(monkeypatch, cap
     assert result == {"ddp_samples_per_sec": 10.0, "no_ddp_samples_per_sec": 12.0, "overhead": pytest.approx(0.2)}
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp.py"])
+def test_one_gpu_rank_runs_on_nccl(script, tiny_data, tmp_path):
+    """What torchrun --nproc-per-node 1 starts on a GPU node: the nccl backend, a finite loss, a checkpoint."""
+    run = tmp_path / "run"
+    proc = run_script(script, *tiny_args(tiny_data, run, "--max_steps", "2", "--log_every", "1"), ranks=1)
+    assert "world_size=1 nodes=1 backend=nccl" in proc.stdout
+    losses = train_losses(run)
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    assert list((run / "checkpoints").iterdir())
+
+
 def test_ddp_checkpoint_resumes_on_one_device(runs, tiny_data, tmp_path):
     moved = resume_from(runs["ddp"], 3, tmp_path / "moved")
     proc = run_script("train.py", *tiny_args(tiny_data, moved, *STEPS, "--max_steps", "6", "--resume"), in_process=True)

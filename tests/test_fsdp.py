@@ -184,6 +184,48 @@ def test_bf16_policy_computes_in_bf16_but_normalises_in_fp32(one_rank):
     assert all(p.grad.dtype == torch.float32 for p in model.parameters())  # fp32 reduce + master weights
 
 
+@pytest.fixture
+def nccl_one_rank():
+    device = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+    yield device
+    dist.destroy_process_group()
+
+
+def policy_against_autocast(device: torch.device) -> dict:
+    """One forward and backward of the tiny SwinIR under FSDP2's bf16 MixedPrecisionPolicy and of the same
+    weights under bf16 autocast: the relative differences of loss and gradients, their gradients' cosine."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from models import build_model
+    from utils.memory.measure import random_batch
+    from utils.parallel.fsdp import apply_fsdp
+    from utils.precision import autocast
+
+    cfg = build_config("quickstart", _tiny_overrides(param_dtype="bf16", reduce_dtype="fp32"))
+    torch.manual_seed(0)
+    plain = build_model(cfg.model).to(device)
+    sharded = apply_fsdp(copy.deepcopy(plain), cfg, device)
+    lr, hr = random_batch(cfg, (16, 24), device=device, batch=2)
+    with autocast(device, "bf16"):
+        expected = F.l1_loss(plain(lr).float(), hr)
+    expected.backward()
+    got = F.l1_loss(sharded(lr).float(), hr)
+    got.backward()
+    full = [getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for p in sharded.parameters()]
+    a, b = torch.cat([g.flatten() for g in full]), torch.cat([p.grad.flatten() for p in plain.parameters()])
+    return {"loss": abs(got.item() / expected.item() - 1), "grads": ((a - b).norm() / b.norm()).item(),
+            "cosine": F.cosine_similarity(a, b, dim=0).item()}
+
+
+@pytest.mark.cuda
+def test_bf16_policy_on_cuda_tracks_bf16_autocast(nccl_one_rank):
+    diff = policy_against_autocast(nccl_one_rank)
+    assert diff["loss"] < 0.02 and diff["grads"] < 0.1 and diff["cosine"] > 0.99, diff
+
+
 def test_memory_record_predicts_adamw_state(one_rank):
     from utils.parallel.fsdp import memory_record
 

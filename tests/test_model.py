@@ -195,6 +195,37 @@ def test_padded_head_dim_for_fused_kernels_gives_the_same_result(monkeypatch):
         torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.cuda
+def test_cuda_sdpa_equals_the_explicit_formula_with_the_bias_gradient(monkeypatch):
+    """On CUDA, training goes through F.scaled_dot_product_attention with a bias that needs a gradient (a CPU
+    takes the explicit formula): output and every gradient, the bias table's included, must agree."""
+    cuda = torch.device("cuda")
+    torch.manual_seed(0)
+    # head_dim 10: padded to 16 for the fused kernels; shifted windows: a mask per window, 2 images of 6 windows.
+    block = swinir.SwinTransformerBlock(30, (16, 16), num_heads=3, window_size=4, shift_size=2, mlp_ratio=2.0)
+    with torch.no_grad():
+        block.attn.relative_position_bias_table.normal_(0, 1)
+    block = block.to(cuda)
+    x = torch.randn(2, 8 * 12, 30, device=cuda, requires_grad=True)
+
+    def output_and_grads():
+        out = block(x, (8, 12))
+        return [out, *torch.autograd.grad(out.square().sum(), [x, *block.parameters()])]
+
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # both sides in true fp32
+    try:
+        fused = output_and_grads()
+        monkeypatch.setattr(swinir.WindowAttention, "_fused_attention", swinir.WindowAttention._explicit_attention)
+        explicit = output_and_grads()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+    names = ["output", "x", *(name for name, _ in block.named_parameters())]
+    assert "attn.relative_position_bias_table" in names
+    for name, a, b in zip(names, fused, explicit):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3, msg=name)  # gradients reach ~100
+
+
 def test_model_computes_what_the_original_computes():
     model = small_swinir()  # mean=None, std=None: the original's (DIV2K RGB mean, std 1)
     x = torch.rand(2, 3, 10, 14)  # not a window multiple: padded, then cropped

@@ -195,3 +195,23 @@ def test_memory_snapshot_is_dumped_at_the_end(tmp_path, capsys, fake_cuda_memory
         assert not path.exists()
     assert path.read_bytes() == b"snapshot" and "memory_snapshot: end of run: wrote" in capsys.readouterr().out
     assert not list(path.parent.glob(".tmp-*"))
+
+
+@pytest.mark.cuda
+def test_cuda_memory_snapshot_at_the_end_and_at_a_forced_out_of_memory_error(tmp_path, capsys):
+    import pickle
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    with profiling.maybe_enable_memory_snapshot(profile_config(tmp_path / "end", memory_snapshot=True), device) as end:
+        torch.randn(1024, 1024, device=device).sum().item()
+    snapshot = pickle.loads(end.read_bytes())
+    assert snapshot["segments"] and "memory_snapshot: end of run: wrote" in capsys.readouterr().out
+
+    too_much = 2 * torch.cuda.get_device_properties(device).total_memory  # an ordinary cudaMalloc that must fail
+    with pytest.raises(torch.OutOfMemoryError):
+        with profiling.maybe_enable_memory_snapshot(profile_config(tmp_path / "oom", memory_snapshot=True),
+                                                    device) as oom:
+            torch.empty(too_much, dtype=torch.uint8, device=device)
+    assert "segments" in pickle.loads(oom.read_bytes())  # dumped at the failing allocation
+    err = capsys.readouterr().err
+    assert err.count(f"memory_snapshot: out of memory on cuda:{device.index}") == 1, err

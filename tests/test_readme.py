@@ -13,7 +13,9 @@ The conventions (README.md, "Tests"), by the info string of a fenced block:
                        as a cluster line under ```text cluster, whose output is not compared) and every
                        line shown must have a line of the same shape in what it prints (SHAPE_RULES).
                        A line `...` stands for lines left out. Output that shows a one-line `error:` is
-                       that of bad input: the command must exit 2.
+                       that of bad input: the command must exit 2. Marked `<!-- output: exact -->`, the block is
+                       the command's whole output, compared line by line, numbers included
+                       (tests/page_outputs.py, which also rewrites such blocks: make docs-outputs).
 
 Blocks without an info string (layouts, maps) are not commands. Any other info string is an error.
 """
@@ -38,6 +40,7 @@ from unittest import mock
 
 import pytest
 
+from tests import page_outputs
 from tests.conftest import REPO, TINY_MODEL
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "datasets" / "README.md"]
@@ -379,6 +382,7 @@ def executed(tiny_data, volume_data, tmp_path_factory) -> dict[str, Result]:
 
 
 RUNNABLE = [c for c in COMMANDS if c.kind == RUN]
+EXACT = {f"{b.page.relative_to(REPO).as_posix()}:{b.line}": b for page in PAGES for b in page_outputs.exact_blocks(page)}
 
 
 @pytest.mark.parametrize("command", RUNNABLE, ids=[c.id for c in RUNNABLE])
@@ -396,6 +400,11 @@ def test_shown_output_has_the_shape_of_the_real_one(command, executed):
     result = executed[command.text]
     assert result.returncode == command.expected_exit, (f"{command.id}: `{result.ran}` exited {result.returncode}\n"
                                                         f"{result.output[-3000:]}")
+    if command.id in EXACT:
+        diff = page_outputs.differences(EXACT[command.id], result.output)
+        assert not diff, (f"{command.id}: the page's output differs from what `{result.ran}` prints now "
+                          f"(`make docs-outputs` rewrites it):\n{diff}")
+        return
     printed = {shape(line) for line in result.output.splitlines()}
     missing = [line for line in command.shown
                if shape(line) not in printed and not any(o in line for o in OPTIONAL_LINES)]
@@ -425,6 +434,8 @@ def test_every_block_follows_the_conventions():
         if command.kind == RUN and TRAINS.search(command.text) and command.text not in CPU_RUN:
             problems.append(f"{command.id}: a training command needs its CPU-sized overrides in CPU_RUN: "
                             f"{command.text!r}")
+    problems += [f"{key}: an exact output block's command runs as written, not shrunk by CPU_RUN"
+                 for key, block in EXACT.items() if canonical(block.command) in CPU_RUN]
     stale = set(CPU_RUN) - {c.text for c in COMMANDS if c.kind == RUN}
     problems += [f"CPU_RUN entry no page has any more: {key!r}" for key in sorted(stale)]
     assert not problems, "\n".join(problems)
