@@ -93,6 +93,16 @@ CPU_RUN = {
     "python train_with_profiling.py --config unet3d_quickstart --max_steps 4 --val_every 0 --breakdown_steps 20 "
     "--memory_timeline false --profile_active 1 --augment host --run_dir runs/unet3d_profile_host":
         "... --breakdown_steps 2",
+    # docs/part4-your-model.md (the FNO of examples/fno on the ViT's stand-in)
+    "python train.py --config_file examples/fno/fno.yaml --config fno_quickstart":
+        "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 4 --batch_size 4",
+    "python train.py --config_file examples/fno/fno.yaml --config fno_quickstart --model_args.depth 3": "... --max_steps 2",
+    "python train.py --config_file examples/fno/fno.yaml --config fno_quickstart --model_args.width 0": "... --max_steps 2",
+    "python rollout.py --checkpoint runs/fno_quickstart --steps 8 --samples 32": "... --samples 2",
+    "torchrun --standalone --nproc-per-node 2 train_ddp.py --config_file examples/fno/fno.yaml --config fno_quickstart "
+    "--run_dir runs/fno_ddp": "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 4 --batch_size 4",
+    "torchrun --standalone --nproc-per-node 2 train_fsdp.py --config_file examples/fno/fno.yaml --config fno_quickstart "
+    "--ac block --run_dir runs/fno_fsdp": "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 4 --batch_size 4",
     # docs/beyond-data-parallel.md
     "torchrun --standalone --nproc-per-node 2 train_mp.py --config vit_quickstart --tp 2 --run_dir runs/vit_tp2":
         "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 4 --batch_size 4",
