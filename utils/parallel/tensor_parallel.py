@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from utils.config import ConfigError
 from utils.parallel.plans import PLANS, model_plan
+from utils.parallel.versions import require_torch
 
 
 def _heads_of_this_rank(attn: nn.Module, mesh) -> None:
@@ -76,6 +77,7 @@ def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
     if plan is None:
         raise ConfigError(f"no tensor-parallel plan for {type(model).__name__}: use --tp 1 "
                           f"(plans: {', '.join(name for name, row in PLANS.items() if row.tp)})")
+    require_torch(f"tensor parallelism of {type(model).__name__}", plan.min_torch, plan.min_torch_why)
     for heads in plan.heads(model):
         check_heads(heads, tp_mesh.size())
     parallelize_module(model, tp_mesh, plan.styles(model))
