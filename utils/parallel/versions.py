@@ -10,6 +10,7 @@ import re
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.pipelining import schedules
 
 from utils.config import ConfigError
@@ -67,3 +68,19 @@ def check_schedule(schedule: str, group) -> None:
         require_torch("--pp_schedule zbv on gloo (CPU)", (2, 12),
                       "older ones send between a rank's own two stages, which gloo cannot; nccl can, and so can "
                       "interleaved_1f1b here")
+
+
+def average_fsdp_gradients(module: nn.Module, mesh) -> None:
+    """FSDP2 on gloo before torch 2.9 sums the gradients it means to average: it asks gloo's reduce-scatter for an
+    average, which gloo's runs as a sum (pytorch/pytorch#162338), so every step applied dp x the gradient, silently
+    (AdamW hardly minds the scale; clipping and SGD would). For those releases the reduced gradient is divided by
+    the shard group's size in FSDP's all-reduce hook. Replicas (a 2-D mesh: HSDP, train_pp.py's --pp_dp ddp) also
+    all-reduce with an average, which gloo refuses before torch 2.8 ("Cannot use ReduceOp.AVG with Gloo")."""
+    if dist.get_backend(mesh.get_group(0)) != "gloo":
+        return
+    if mesh.ndim > 1 and mesh.size(0) > 1:
+        require_torch("FSDP2 with replicas on gloo (CPU: --hsdp_replicas > 1, --pp_dp ddp)", (2, 8),
+                      "gloo's all-reduce averages from 2.8 on")
+    if torch_release() < (2, 9):
+        shards = mesh.size(mesh.ndim - 1)
+        module.set_all_reduce_hook(lambda grad: grad.div_(shards))
