@@ -5,17 +5,17 @@
     python tests/torch_versions.py --torch 2.15.0 --venv .venv    # the pinned environment as it is
     python tests/torch_versions.py --list                         # the commands, nothing run
 
-It creates (or reuses) a virtualenv with torch==VERSION, the torchvision that release pulls in and, for everything
-else, the versions of constraints.txt: torch is installed alone first, so that its own dependencies (sympy,
-setuptools, the CUDA wheels, ...) follow its release, and the rest of requirements.txt is then constrained by
-constraints.txt less what is already there. Then it runs each command below in its own process group with a time
+It creates (or reuses) a virtualenv with torch==VERSION and, for everything else, the versions of constraints.txt:
+torch is installed alone first, so that its own dependencies (sympy, setuptools, the CUDA wheels, ...) follow its
+release, and the rest of requirements.txt is then constrained by constraints.txt less what is already there and
+torchvision, which pip matches to that torch. Then it runs each command below in its own process group with a time
 limit, prints one line per command (ok, refused, FAIL, TIMEOUT) and a summary, and exits 1 if any failed or timed
 out. "refused" is a script declining a feature this torch lacks in one line that names the torch it needs ("needs
 torch >= X"): expected on old releases, not a failure. Logs and run folders: runs/torch-VERSION/.
 
 Standard library only, so any python3 runs it; the commands run with the virtualenv's python. CI runs the test
 suite on the pin only; this check is for developers and users with another torch (a site module, a GPU image).
-tests/test_torch_versions.py checks the runner itself in a second (it is not collected: no test_ prefix).
+pytest does not collect this file (no test_ prefix); tests/test_torch_versions.py checks the runner in seconds.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = ("datasets/synthetic_small/valid", "datasets/synthetic_vit/valid/2015.h5")  # make data data-vit
-TIMEOUT_S = 300  # per command; the slowest (a pipeline or FSDP run under torchrun) takes well under a minute
+TIMEOUT_S = 300  # per command; the slowest (a pipeline under torchrun) took under a minute on 2 busy cores
 GRACE_S = 10  # after SIGTERM, before SIGKILL
 
 
