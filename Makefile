@@ -27,8 +27,8 @@ LOCK ?= $(LOCK_FILE)
 # (the pinned version, without the CUDA libraries) before everything else, which then keeps it.
 TORCH_INDEX ?=
 
-.PHONY: train train-vit train-unet test data data-vit data-unet install install-data real-data lock clean gpu-check \
-	docs-outputs
+.PHONY: train train-vit train-unet test test-torch data data-vit data-unet install install-data real-data lock clean \
+	gpu-check docs-outputs
 
 install: $(VENV)/.installed
 
@@ -122,6 +122,14 @@ gpu-check:
 
 docs-outputs: $(VENV)/.installed
 	$(PY) -m tests.page_outputs --write
+
+# Every script's laptop command, a few steps each, on another torch (tests/torch_versions.py; docs/setup.md has the
+# table): make test-torch TORCH=2.11.0 builds .venv-torch-2.11.0 (that torch, the lock's versions of the rest) or
+# reuses it; TORCH_VENV=.venv checks the pinned environment as it is. CI runs the suite on the pin only.
+TORCH ?=
+TORCH_VENV ?= .venv-torch-$(TORCH)
+test-torch: data data-vit
+	$(PYTHON) tests/torch_versions.py --torch "$(TORCH)" --venv "$(TORCH_VENV)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 
 clean:
 	rm -rf runs $(QUICKSTART_DATA) $(VIT_DATA) $(VOLUME_DATA)

@@ -63,13 +63,13 @@ def test_wrong_data_fails_the_run(tmp_path):
         f"sys.path.insert(0, {str(REPO)!r})\n"
         "import torch.distributed as dist\n"
         "import comm_check\n"
-        "real_all_gather = dist.all_gather_single\n"
+        "real_all_gather = dist.all_gather_into_tensor\n"
         "def corrupted(output, tensor, *args, **kwargs):\n"
         "    work = real_all_gather(output, tensor, *args, **kwargs)\n"
         "    if dist.get_rank() == 1:\n"
         "        output[-1] += 1\n"
         "    return work\n"
-        "dist.all_gather_single = corrupted\n"
+        "dist.all_gather_into_tensor = corrupted\n"
         "sys.exit(comm_check.main())\n")
     proc = run_script(str(corrupting), "--max-bytes", "4KiB", "--seconds-per-size", "0.05",
                       launcher=TORCHRUN_2, timeout=120, check=False)

@@ -68,7 +68,9 @@ class _GatherTokens(torch.autograd.Function):
         chunks = [_pad_to(chunk, dim, longest) for chunk in grad.split(sizes, dim)]
         mine = dist.get_rank(group)
         out = torch.empty_like(chunks[mine])
-        dist.reduce_scatter(out, chunks, group=group)
+        # The tensor form (chunks stacked along dim 0): gloo has it on every supported torch, while the list
+        # form reduce_scatter came to gloo only in torch 2.8 ("ProcessGroupGloo does not support reduce_scatter").
+        dist.reduce_scatter_tensor(out, torch.cat(chunks), group=group)
         return out.narrow(dim, 0, sizes[mine]), None, None, None
 
 

@@ -47,6 +47,7 @@ from utils.checkpoint import (DCP_METADATA, TEMP_PREFIX, CheckpointError, Damage
 from utils.config import ConfigError
 from utils.parallel.distributed import barrier, ensure_process_group
 from utils.parallel.plans import ac_units, model_plan
+from utils.parallel.versions import average_fsdp_gradients
 from utils.precision import DTYPES
 
 HSDP_DIMS = ("replicate", "shard")
@@ -113,8 +114,10 @@ def apply_fsdp(model: nn.Module, cfg, device: torch.device, mesh: Optional[Devic
     reshard = d.reshard_after_forward if reshard_after_forward is None else reshard_after_forward
     for unit in ac_units(model, d.fsdp_unit) if model_plan(model).units else []:  # without units: the root alone
         fully_shard(unit, mesh=mesh, mp_policy=mixed_precision(d), reshard_after_forward=reshard)
+        average_fsdp_gradients(unit, mesh)  # gloo before torch 2.9 sums them
     # Root: reshard_after_forward left to FSDP (False for the root: backward needs its weights first).
     fully_shard(model, mesh=mesh, mp_policy=mixed_precision(d, cast_forward_inputs=False))
+    average_fsdp_gradients(model, mesh)
     return model
 
 

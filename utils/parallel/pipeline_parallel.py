@@ -40,6 +40,7 @@ from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe,
 from utils.config import ConfigError
 from utils.parallel.fsdp import apply_fsdp, sharded_payload
 from utils.parallel.plans import StagePlan, missing_plan, model_plan
+from utils.parallel.versions import check_schedule, keep_every_p2p_work
 from utils.precision import autocast
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
@@ -218,6 +219,8 @@ class Pipeline:
         units = getattr(model, plan.units)
         self.device, self.schedule_name, self.microbatches = device, d.pp_schedule, d.pp_microbatches
         self.pp, self.pp_rank, self.group = pp_mesh.size(), pp_mesh.get_local_rank(), pp_mesh.get_group()
+        check_schedule(d.pp_schedule, self.group)
+        keep_every_p2p_work(self.group)  # torch < 2.8 on gloo: else a stage boundary of several tensors hangs
         self.n_stages = check_pipeline(cfg, self.pp, replica_batch, len(units), f"{type(model).__name__}'s {plan.units}")
         if d.pp_split:
             self.split = list(d.pp_split)
@@ -350,7 +353,7 @@ class Pipeline:
         padding = -batch % self.microbatches
         if padding:
             inputs = torch.cat([inputs, inputs[-1:].expand(padding, *inputs.shape[1:])])
-        if self.schedule_name == "zbv":
+        if self.schedule_name == "zbv" or not hasattr(SCHEDULES[self.schedule_name], "eval"):  # eval: torch >= 2.9
             pred = self._stages_in_order(inputs)
         else:
             schedule = self._schedule(("eval", tuple(inputs.shape)), self.microbatches, None)
@@ -364,7 +367,8 @@ class Pipeline:
 
     def _stages_in_order(self, inputs: torch.Tensor) -> Optional[torch.Tensor]:
         """The whole batch through the stages one after the other: ZB-V's evaluation, because torch 2.15's
-        ZB-V ``eval`` still runs backward actions and fails where the V turns (two stages on one rank)."""
+        ZB-V ``eval`` still runs backward actions and fails where the V turns (two stages on one rank); and every
+        schedule's before torch 2.9, whose schedules have no ``eval`` (pytorch/pytorch#157795)."""
         carry = (inputs,)
         for s in range(self.n_stages):
             owner, previous = self.owner[s], self.owner.get(s - 1)
