@@ -173,7 +173,8 @@ def format_traced_table(estimate: MemoryEstimate) -> str:
     lines.append(f"  {'-' * 61}")
     row("peak", estimate.total)
     lines.append(f"  after the step: parameters + gradients + AdamW state {s['states_gb']:.3f} GB; saved for backward "
-                 f"by the forward pass {s['saved_activations_gb']:.3f} GB")
+                 f"by the forward pass {s['saved_activations_gb']:.3f} GB; {s['flops_per_step']:.3g} FLOPs per step "
+                 "(this rank's)")
     lines += [f"  note: {note}" for note in s.get("notes", [])]
     return "\n".join(lines)
 

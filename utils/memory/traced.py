@@ -15,7 +15,8 @@ measures a real one. What runs is PyTorch's own code; what counts the bytes is P
   reduce-scatter buffers), and keep the peak with its composition. The fake process group
   (``torch.testing._internal.distributed.fake_pg``) lets ``fully_shard`` shard for N ranks in one process: this
   process is rank 0, the largest shard (FSDP2 pads the last ranks' shards);
-* :class:`~utils.memory.measure.SavedTensorBytes` counts what autograd saves for backward in the forward pass.
+* :class:`~utils.memory.measure.SavedTensorBytes` counts what autograd saves for backward in the forward pass, and
+  ``torch.utils.flop_counter.FlopCounterMode`` the step's FLOPs (those plan.py times: utils/observe/flops.py).
 
 Hand-written, because no tracker does it:
 
@@ -54,6 +55,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from utils.config import Config, ConfigError
 from utils.memory.estimate import GB, MemoryEstimate
@@ -92,6 +96,8 @@ class TracedStep:
     forward_peak: int
     after_step: dict[str, int]
     saved_activations: int
+    flops: float
+    """FLOPs of the step (FlopCounterMode: matmuls, convolutions, attention; AC's recomputed forward included)."""
     seconds: float
 
     def terms(self) -> dict[str, float]:
@@ -144,20 +150,55 @@ def _stand_in_for_ddp(model: nn.Module, bucket_view: bool) -> list[torch.Tensor]
     return list(buckets.values())
 
 
+class GlooStaging(TorchDispatchMode):
+    """gloo's buffers, which the fake process group does not allocate (see the module docstring).
+
+    ProcessGroupGloo has no native reduce-scatter or all-gather into one tensor: it stages each through a buffer of
+    the unsharded size (measured with the profiler: one buffer of the reduce-scatter's input, of the all-gather's
+    output), on a thread of its own while the step goes on. A reduce-scatter's lives until FSDP2 waits for it, at the
+    next unit's reduce-scatter or the end of backward, while the next unit's backward runs; an all-gather's here
+    until the next collective (FSDP2 prefetches the next unit's in backward, while this unit computes). When the
+    buffers really meet the step's peak varies from run to run (benchmarks/validate_traced_estimate.py measures the
+    median): this is the case of their meeting it. Stood in for by fake buffers, inside the tracker so that it
+    counts them. NCCL (CUDA) reduces in place: nothing to stand in for.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.reduce_scatter: Optional[torch.Tensor] = None
+        self.all_gather: Optional[torch.Tensor] = None
+
+    def release(self) -> None:
+        self.reduce_scatter = self.all_gather = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(t is DTensor for t in types):
+            return NotImplemented  # let DTensor unwrap itself first, as the trackers do
+        if func is torch.ops.c10d._reduce_scatter_base_.default:
+            self.reduce_scatter = self.all_gather = None  # the previous ones are waited for by now
+            self.reduce_scatter = torch.empty_like(args[1])
+        elif func is torch.ops.c10d._allgather_base_.default:
+            self.all_gather = None
+            self.all_gather = torch.empty_like(args[0])
+        return func(*args, **kwargs)
+
+
 def _snapshot(tracker, kind: str) -> dict[str, int]:
     return next(iter(tracker.get_tracker_snapshot(kind).values()), {"Total": 0})
 
 
 def trace_step(model: nn.Module, input_shape: Sequence[int], target_shape: Sequence[int], loss, cfg: Config,
-               world_size: int = 1, strategy: str = "none") -> TracedStep:
+               world_size: int = 1, strategy: str = "none", device_type: str = "cpu") -> TracedStep:
     """One rank's training step of ``model`` on fake tensors (see the module docstring), for a batch of
     ``input_shape`` (this rank's: its share of the global batch) and ``loss`` (a callable or a name of
-    utils.training.LOSSES); ``cfg`` gives what the scripts read: ac, amp_dtype, fused_optimizer and the DDP/FSDP keys.
+    utils.training.LOSSES); ``cfg`` gives what the scripts read: ac, amp_dtype, fused_optimizer and the DDP/FSDP keys;
+    ``device_type`` the backend (cpu: gloo, whose staging buffers are stood in for; cuda: NCCL).
     Raises :class:`CannotTrace` (one line) where the step does not run on fake tensors."""
     # Private torch modules (torch.distributed._tools): imported where used, so that a torch without them fails
     # this estimate in one line, not every import of utils.memory.
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker  # (private: see above)
+    from torch.distributed._tools.mem_tracker import MemTracker  # (private: see above)
 
     if strategy not in STRATEGIES:
         raise ConfigError(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
@@ -180,18 +221,23 @@ def trace_step(model: nn.Module, input_shape: Sequence[int], target_shape: Seque
                     value = forward_and_loss(fake, inputs, target, cfg.train.amp_dtype, loss)
                 forward = _snapshot(tracker, "peak")["Total"] if tracker is not None else 0
                 value.backward()  # (no GradScaler: its inf check reads values; its unscaling is in place)
+                staging.release()
                 optimizer.step()
                 return forward
 
-            tracker = None
-            step()  # AdamW's state, FSDP's lazy initialisation, the model's caches: as a real first step
+            tracker, staging = None, GlooStaging()
+            # (FlopCounterMode wraps each module's output to see backward: it changes what is held, so it counts the
+            # first, untracked step.)
+            with FlopCounterMode(display=False) as flops:
+                step()  # AdamW's state, FSDP's lazy initialisation, the model's caches: as a real first step
             if strategy == "fsdp":
                 tracker = FSDPMemTracker(fake, optimizer)
             else:
                 tracker = MemTracker()
                 tracker.track_external(fake, optimizer, *buckets)
             saved = SavedTensorBytes(exclude=list(fake.parameters()) + list(fake.buffers()))
-            with tracker:
+            gloo = staging if strategy == "fsdp" and device_type == "cpu" else contextlib.nullcontext()
+            with tracker, gloo:
                 forward = step(saved)
                 peak, after = _snapshot(tracker, "peak"), _snapshot(tracker, "current")
     except ConfigError:
@@ -201,9 +247,12 @@ def trace_step(model: nn.Module, input_shape: Sequence[int], target_shape: Seque
         values = "DataDependent" in type(error).__name__ or "DynamicOutputShape" in type(error).__name__
         hint = (" (it reads a tensor's values: .item(), .tolist(), a shape that depends on the data; fake tensors "
                 "have shapes only)") if values else ""
+        if "c10d" in what:  # torch.distributed._tools.fake_collectives: from torch 2.7 on
+            hint = f" (FSDP2's collectives on fake tensors need torch >= 2.7; this is {torch.__version__})"
         raise CannotTrace(f"cannot trace {type(model).__name__}'s training step on fake tensors: "
                           f"{type(error).__name__}: {what}{hint}") from None
-    return TracedStep(peak, forward, after, saved.bytes, time.perf_counter() - started)
+    return TracedStep(peak, forward, after, saved.bytes, float(flops.get_total_flops()),
+                      time.perf_counter() - started)
 
 
 def _estimate(traced: TracedStep, setting: dict) -> MemoryEstimate:
@@ -215,7 +264,8 @@ def _estimate(traced: TracedStep, setting: dict) -> MemoryEstimate:
     states = sum(after.get(c, 0) for c in STATES)
     phase = "forward" if traced.forward_peak >= traced.peak["Total"] else "backward or optimizer step"
     setting = {**setting, "peak_phase": phase, "states_gb": round(states / GB, 9),  # (9: to the byte)
-               "saved_activations_gb": round(traced.saved_activations / GB, 9), "traced_s": round(traced.seconds, 2)}
+               "saved_activations_gb": round(traced.saved_activations / GB, 9), "flops_per_step": traced.flops,
+               "traced_s": round(traced.seconds, 2)}
     return MemoryEstimate(terms["params"], terms["grads"], terms["optimizer"], terms["activations"],
                           terms["temporary"], {"activations_at_peak": terms["activations"]},
                           {"at_peak": terms["temporary"]}, params_detail, setting)
@@ -223,7 +273,7 @@ def _estimate(traced: TracedStep, setting: dict) -> MemoryEstimate:
 
 def estimate_model(model: Union[nn.Module, Callable[[], nn.Module]], input_shape: Sequence[int],
                    target_shape: Sequence[int], loss, cfg: Optional[Config] = None, world_size: int = 1,
-                   strategy: str = "none") -> MemoryEstimate:
+                   strategy: str = "none", device_type: str = "cpu") -> MemoryEstimate:
     """Predicted peak training memory of one rank for any model (a module, or a function that builds it), from one
     traced step on fake tensors. ``input_shape``/``target_shape``: the global batch's (split over the data-parallel
     ranks: batch / world_size each); ``loss``: a callable (prediction, target) -> scalar or a loss name; ``cfg``:
@@ -237,12 +287,13 @@ def estimate_model(model: Union[nn.Module, Callable[[], nn.Module]], input_shape
     module = model if isinstance(model, nn.Module) else model()
     per_rank = input_shape[0] // world_size
     traced = trace_step(module, (per_rank, *input_shape[1:]), (per_rank, *target_shape[1:]), loss, cfg, world_size,
-                        strategy)
+                        strategy, device_type)
     return _estimate(traced, {
         "model": type(module).__name__, "config": cfg.name, "strategy": strategy, "world_size": world_size,
         "batch_per_rank": per_rank, "input_shape": [per_rank, *input_shape[1:]], "amp_dtype": cfg.train.amp_dtype,
         "ac": cfg.train.ac, "param_dtype": cfg.dist.param_dtype if strategy == "fsdp" else "fp32",
-        "num_params": sum(p.numel() for p in module.parameters() if p.requires_grad), "method": "traced"})
+        "num_params": sum(p.numel() for p in module.parameters() if p.requires_grad), "method": "traced",
+        "device_type": device_type})
 
 
 def refuse_untraceable_layout(cfg: Config, model_name: str) -> None:
@@ -263,12 +314,11 @@ def estimate_traced(cfg: Config, world_size: int = 1, strategy: str = "none", de
     name = type(model).__name__
     refuse_untraceable_layout(cfg, name)
     inputs, target = batch_shapes(cfg)
-    estimate = estimate_model(model, inputs, target, loss_for(cfg), cfg, world_size, strategy)
-    if strategy == "fsdp":
-        estimate.setting.update(shard_group=world_size // cfg.dist.hsdp_replicas, fsdp_unit=cfg.dist.fsdp_unit)
     device_type = device_type or ("cuda" if cfg.train.device == "auto" and torch.cuda.is_available()
                                   else cfg.train.device if cfg.train.device != "auto" else "cpu")
-    estimate.setting["device_type"] = device_type
+    estimate = estimate_model(model, inputs, target, loss_for(cfg), cfg, world_size, strategy, device_type)
+    if strategy == "fsdp":
+        estimate.setting.update(shard_group=world_size // cfg.dist.hsdp_replicas, fsdp_unit=cfg.dist.fsdp_unit)
     if device_type == "cuda":
         estimate.setting["notes"] = ["traced with the CPU's kernels: CUDA's attention kernels and autocast may save "
                                      "other tensors (utils/memory/traced.py)"]
