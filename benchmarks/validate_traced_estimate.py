@@ -14,7 +14,7 @@ quickstart's, with 4 MB units: 12.5 to 20.9 MB on 4 processes).
     python benchmarks/validate_traced_estimate.py --quick         # the tiny models only
     python benchmarks/validate_traced_estimate.py --markdown      # the table as docs/memory_estimate.md shows it
 
-Exit status 1 if a traced estimate is off by more than --tolerance (default 10 %).
+Exit status 1 if a traced estimate is off by more than --tolerance (default 10 %) from every measured run of its case.
 """
 
 from __future__ import annotations
@@ -171,18 +171,21 @@ def main(argv=None) -> int:
         if args.measured:
             args.measured.write_text(json.dumps(measured))
     if args.markdown:
-        print("| model | layout | processes | measured peak MB (range) | traced MB | error | hand-written MB | error |\n"
-              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        print("| model | layout | processes | measured peak MB: median (range) | traced MB | vs median | "
+              "hand-written MB | vs median |\n| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     else:
         print(f"{'model':18s} {'layout':36s} {'n':>2s} {'measured MB (range)':>22s} {'traced':>8s} {'error':>7s} "
               f"{'hand':>8s} {'error':>7s}")
-    worst = 0.0
+    worst, outside = 0.0, []
     for (ranks, model, strategy, keys), peaks in zip(cases, measured):
         peak = statistics.median(peaks)
         spread = f" ({min(peaks) / 1e6:.2f}-{max(peaks) / 1e6:.2f})" if len(peaks) > 1 else ""
         traced, hand = estimate(model, ranks, strategy, keys)
         error = traced / peak - 1
         worst = max(worst, abs(error))
+        # Within tolerance of some measured run (FSDP's vary from run to run: see the module docstring).
+        if not (1 - args.tolerance) * min(peaks) <= traced <= (1 + args.tolerance) * max(peaks):
+            outside.append(f"{model}, {label(strategy, keys)}, {ranks}")
         hand_text = (f"{hand / 1e6:.2f}", f"{hand / peak - 1:+.1%}") if hand else ("-", "-")
         if args.markdown:
             print(f"| {model} | {label(strategy, keys)} | {ranks} | {peak / 1e6:.2f}{spread} | {traced / 1e6:.2f} | "
@@ -190,8 +193,9 @@ def main(argv=None) -> int:
         else:
             print(f"{model:18s} {label(strategy, keys):36s} {ranks:>2d} {f'{peak / 1e6:.2f}{spread}':>22s} "
                   f"{traced / 1e6:8.2f} {error:+7.1%} {hand_text[0]:>8s} {hand_text[1]:>7s}", flush=True)
-    ok = worst <= args.tolerance
-    print(f"worst traced error {worst:.1%} (target <= {args.tolerance:.0%}): {'PASS' if ok else 'FAIL'}")
+    ok = not outside
+    print(f"worst traced error against the median {worst:.1%}; outside the measured range +-{args.tolerance:.0%}: "
+          f"{'; '.join(outside) or 'none'}: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 
 
