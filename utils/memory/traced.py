@@ -94,6 +94,7 @@ from utils.config import Config, ConfigError
 from utils.memory.estimate import GB, MemoryEstimate
 from utils.memory.measure import (SavedTensorBytes, batch_shapes, forward_and_loss, fresh_model_caches, loss_for,
                                   model_on_meta)
+from utils.memory.shapes import has_description
 from utils.parallel.fsdp import HSDP_DIMS, apply_fsdp, mesh_shape
 from utils.parallel.techniques import apply_ac
 from utils.training import build_optimizer
@@ -327,14 +328,15 @@ def estimate_model(model: Union[nn.Module, Callable[[], nn.Module]], input_shape
         "device_type": device_type})
 
 
-def refuse_untraceable_layout(cfg: Config, model_name: str) -> None:
+def refuse_untraceable_layout(cfg: Config, model_name: str, described: bool = False) -> None:
     """tp, cp and pp are estimated from hand-written descriptions only (see the module docstring): one line."""
     d = cfg.dist
     used = [f"{name} {n}" for name, n in (("tp", d.tp), ("cp", d.cp), ("pp", d.pp)) if n > 1]
     if used:
-        raise ConfigError(f"{' and '.join(used)}: the traced estimate covers one device, DDP, FSDP and HSDP; "
-                          f"{model_name} has no hand-written memory description (utils/memory/shapes.py, graphs.py) "
-                          "for tensor, context or pipeline parallelism: use --tp 1 --cp 1 --pp 1")
+        fix = ("the hand-written estimate has them: drop --traced" if described else
+               f"{model_name} has no hand-written memory description (utils/memory/shapes.py, graphs.py) for tensor, "
+               "context or pipeline parallelism: use --tp 1 --cp 1 --pp 1")
+        raise ConfigError(f"{' and '.join(used)}: the traced estimate covers one device, DDP, FSDP and HSDP; {fix}")
 
 
 def estimate_traced(cfg: Config, world_size: int = 1, strategy: str = "none", device_type: Optional[str] = None,
@@ -343,7 +345,7 @@ def estimate_traced(cfg: Config, world_size: int = 1, strategy: str = "none", de
     given), the batch and the loss train.py would use (utils.memory.measure), the config's layout keys."""
     model = model if model is not None else model_on_meta(cfg)
     name = type(model).__name__
-    refuse_untraceable_layout(cfg, name)
+    refuse_untraceable_layout(cfg, name, has_description(cfg.model))
     inputs, target = batch_shapes(cfg)
     device_type = device_type or ("cuda" if cfg.train.device == "auto" and torch.cuda.is_available()
                                   else cfg.train.device if cfg.train.device != "auto" else "cpu")
