@@ -18,6 +18,7 @@ run: it takes a second.
     python estimate_memory.py --config full_size --cp 4 --world_size 4 --strategy fsdp --device cuda  # 4 bands
     python estimate_memory.py --config unet3d_base --device cuda        # SC22's U-Net, 64³ crops, batch 64
     python estimate_memory.py --config full_size --json                 # one JSON object
+    python estimate_memory.py --config vit_quickstart --traced --world_size 2 --strategy fsdp   # traced (below)
 
 Any config key can be overridden as in the training scripts (`--help` lists them). batch_size is
 the global batch: with --world_size N each rank holds batch_size / N samples. The ViT's input is
@@ -32,6 +33,13 @@ by these estimates (`python plan.py --config NAME --cluster this-machine --nodes
 The U-Net's input is its crop_size³ crop; its units are its down and up blocks (one convolution each).
 See utils/memory/estimate.py for the model of each term, and which terms are exact or approximate;
 benchmarks/validate_memory_estimate.py compares the estimate with measurements.
+
+A model without a hand-written description (utils/memory/shapes.py), or any model with --traced, is estimated by
+tracing one training step on fake tensors (utils/memory/traced.py: PyTorch's memory trackers, nothing allocated,
+a second or two): its peak per rank on one device, under DDP, FSDP2 or HSDP, with AC and autocast as configured,
+within 10 % of the measured peak on CPU (benchmarks/validate_traced_estimate.py; docs/memory_estimate.md). It runs
+the CPU's kernels; tensor, context and pipeline parallelism need the hand-written description and are refused.
+A model whose step does not run on fake tensors is one line (exit 2).
 """
 
 from __future__ import annotations
@@ -40,6 +48,8 @@ import json
 
 from utils.config import ConfigError, parse_config
 from utils.memory.estimate import GB, MemoryEstimate, estimate_memory
+from utils.memory.shapes import has_description
+from utils.memory.traced import estimate_traced
 from utils.training import run_cli
 
 ACCURACY = {  # what the estimate can promise for each term (utils/memory/estimate.py explains why)
@@ -68,6 +78,9 @@ def add_arguments(parser) -> None:
                         help="none (one device, train.py), ddp or fsdp; default: none for 1 rank, else ddp")
     parser.add_argument("--field", default=None, metavar="HxW",
                         help="high-res whole-field size for crop_size 0 (default: the data's grid, else 720x1440)")
+    parser.add_argument("--traced", action="store_true",
+                        help="trace one training step on fake tensors (the default for a model without a hand-written "
+                             "description)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
@@ -134,10 +147,49 @@ def format_table(estimate: MemoryEstimate) -> str:
     return "\n".join(lines)
 
 
+def format_traced_table(estimate: MemoryEstimate) -> str:
+    """The traced estimate: the peak of one rank and what it holds at that moment."""
+    s = estimate.setting
+    ranks = f"{s['world_size']} rank{'s' if s['world_size'] > 1 else ''}, strategy {s['strategy']}"
+    if s.get("shard_group", s["world_size"]) < s["world_size"]:
+        ranks += f" (HSDP: shards over {s['shard_group']})"
+    lines = [f"{s['model']} training memory, traced — config {s['config']}: {s['num_params']:,} parameters, {ranks}",
+             f"  input {'x'.join(map(str, s['input_shape']))} per rank; autocast {s['amp_dtype']}, parameters "
+             f"{s['param_dtype']}; activation checkpointing {s['ac']}; device {s['device_type']} (CPU kernels traced); "
+             f"traced in {s['traced_s']:.1f} s", "",
+             f"  {'per rank, at the peak (' + s['peak_phase'] + ')':50s} {'GB':>10s}"]
+
+    def row(name, value, indent=2):
+        lines.append(f"{' ' * indent}{name:{50 - indent}s} {value / GB:10.3f}")
+
+    row("parameters (and buffers)", estimate.params)
+    if len(estimate.params_detail) > 1:
+        for key, value in estimate.params_detail.items():
+            row(key.replace("_", " "), value, indent=6)
+    row("gradients" + (" (DDP's buckets)" if s["strategy"] == "ddp" else ""), estimate.grads)
+    row("optimizer state (AdamW)", estimate.optimizer)
+    row("activations", estimate.activations)
+    row("temporary (backward's gradients in flight, ...)", estimate.temporary)
+    lines.append(f"  {'-' * 61}")
+    row("peak", estimate.total)
+    lines.append(f"  after the step: parameters + gradients + AdamW state {s['states_gb']:.3f} GB; saved for backward "
+                 f"by the forward pass {s['saved_activations_gb']:.3f} GB; {s['flops_per_step']:.3g} FLOPs per step "
+                 "(this rank's)")
+    lines += [f"  note: {note}" for note in s.get("notes", [])]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     cfg, args = parse_config(__doc__, argv, extra_args=add_arguments)
     strategy = args.strategy or ("none" if args.world_size == 1 else "ddp")
     field = _field(args.field) if args.field else None
+    if args.traced or not has_description(cfg.model):
+        if field:
+            raise ConfigError("--field sets SwinIR's whole field in the hand-written estimate: the traced one takes "
+                              "the data's grid or --crop_size")
+        estimate = estimate_traced(cfg, world_size=args.world_size, strategy=strategy)
+        print(json.dumps(estimate.to_json()) if args.json else format_traced_table(estimate))
+        return 0
     estimate = estimate_memory(cfg, world_size=args.world_size, strategy=strategy, field=field)
     print(json.dumps(estimate.to_json()) if args.json else format_table(estimate))
     return 0

@@ -9,7 +9,8 @@
 Every layout the training scripts accept for the config on N nodes — data parallel (DDP), sharded (FSDP, HSDP),
 tensor (tp), context (cp: the ViT's token bands, SwinIR's field bands) and pipeline parallel (pp, each schedule
 and microbatch count), activation checkpointing (none / block / layer), precision (fp32, bf16 autocast, bf16
-parameters) — with, per GPU, the memory estimate_memory.py would print (utils/memory/estimate.py) and the
+parameters) — with, per GPU, the memory estimate_memory.py would print (utils/memory/estimate.py; for a model without
+a hand-written description, its step traced on fake tensors, utils/memory/traced.py: data parallel layouts only) and the
 predicted step: compute (FLOPs per sample / (peak x efficiency)) plus the communication the compute does not
 hide, plus the pipeline's bubble (utils/plan/speed.py writes down each term and the overlap rules). The global
 batch is the config's (--batch_size N overrides it; --batch_sizes A B ... compares several); the micro-batch

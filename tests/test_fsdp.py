@@ -53,6 +53,7 @@ def test_two_ranks_equal_one_process(runs, tiny_data):
     assert memory["total_mb"] == pytest.approx(memory["params_mb"] * 4)
     # The estimate plan.py ranks layouts by: the same parameters + gradients + AdamW state per rank.
     assert_within(fsdp, tiny_args(tiny_data, fsdp, *STEPS), 2)
+    assert_within(fsdp, tiny_args(tiny_data, fsdp, *STEPS), 2, traced=True)  # the trace, for any model
 
 
 def test_export_loads_into_the_plain_model_and_train_py_state(runs, tiny_data):

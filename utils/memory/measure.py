@@ -24,9 +24,10 @@ import functools
 import time
 import weakref
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
@@ -37,9 +38,11 @@ from models import build_model
 from utils.config import Config
 from utils.memory.estimate import GB
 from utils.memory.shapes import input_size
-from utils.parallel.techniques import apply_ac
+from utils.observe.flops import on_meta
+from utils.parallel.fsdp import apply_fsdp
+from utils.parallel.techniques import apply_ac, apply_ddp
 from utils.precision import autocast, make_grad_scaler
-from utils.training import LOSSES, build_loss
+from utils.training import LOSSES, build_loss, build_optimizer
 
 
 class SavedTensorBytes:
@@ -140,8 +143,8 @@ def forward_and_loss(model: nn.Module, lr: torch.Tensor, hr: torch.Tensor, amp_d
 
 
 @contextlib.contextmanager
-def _fresh_mask_cache():
-    """The model caches shift masks per size: masks made under FakeTensorMode must not outlive it."""
+def fresh_model_caches():
+    """SwinIR caches shift masks per size: masks made under FakeTensorMode must not outlive it."""
     cache = getattr(getattr(swinir, "_cached_shift_mask", None), "cache_clear", None)
     if cache:
         cache()
@@ -165,7 +168,7 @@ def trace_saved_activations(model: nn.Module, lr_shape: tuple[int, ...], amp_dty
     hr_shape = (*lr_shape[:-2], lr_shape[-2] * scale, lr_shape[-1] * scale)
     if hasattr(model, "out_chans"):  # the U-Net: other channels out than in
         hr_shape = (lr_shape[0], model.out_chans, *lr_shape[2:])
-    with _fresh_mask_cache(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    with fresh_model_caches(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
         state = {}
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             fake = mode.from_tensor(tensor)
@@ -201,7 +204,10 @@ class MeasuredMemory:
 
 
 def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    return sum(t.untyped_storage().nbytes() for t in {id(t): t for t in tensors}.values())
+    """Bytes of the tensors' storages, each once (FSDP2's gradients are views of one buffer); a DTensor's: this
+    rank's."""
+    storages = [getattr(t, "_local_tensor", t).untyped_storage() for t in tensors]
+    return sum({s.data_ptr() or id(s): s.nbytes() for s in storages}.values())
 
 
 def _optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -221,28 +227,33 @@ def _training_step(model, optimizer, lr, hr, amp_dtype, loss, counter=None, mark
 
 
 def _cpu_allocation_peaks(run) -> tuple[float, float]:
-    """(peak, peak up to the forward mark) of bytes allocated on the CPU while ``run(mark)`` runs.
+    """(peak, peak up to the forward mark) of bytes allocated on the CPU while ``run(marks)`` runs.
 
     The profiler records every allocation and free with its size; summed in time order they give
-    the memory allocated at each moment, relative to the start.
+    the memory allocated at each moment, relative to the start. ``run`` appends "forward" to ``marks`` at the end of
+    the forward pass; where it appends "start" first, the peaks are those after it (still counted from the start of
+    the run: what was allocated before it and is still alive counts).
     """
-    def mark(_name):
-        with record_function("__memory_mark__"):
+    def mark(name):
+        with record_function(f"__memory_mark_{name}__"):
             pass
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         marks: list = _MarkList(mark)
         run(marks)
     events = prof.profiler.kineto_results.events()
-    mark_times = sorted(e.start_ns() for e in events if e.name() == "__memory_mark__")
-    forward_end = mark_times[0] if mark_times else float("inf")
+    times = {name: min((e.start_ns() for e in events if e.name() == f"__memory_mark_{name}__"), default=None)
+             for name in ("start", "forward")}
+    start = times["start"] if times["start"] is not None else -1
+    forward_end = times["forward"] if times["forward"] is not None else float("inf")
     deltas = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
     current = peak = peak_forward = 0
     for when, nbytes in deltas:
         current += nbytes
-        peak = max(peak, current)
-        if when <= forward_end:
-            peak_forward = max(peak_forward, current)
+        if when > start:
+            peak = max(peak, current)
+            if when <= forward_end:
+                peak_forward = max(peak_forward, current)
     return float(peak), float(peak_forward)
 
 
@@ -309,22 +320,33 @@ def measure_saved_activations(model: nn.Module, lr: torch.Tensor, hr: torch.Tens
     return counter
 
 
-def random_batch(cfg: Config, lr_size: Optional[tuple[int, int]] = None, device="cpu", batch: Optional[int] = None):
-    """(input, target) of the config's shapes, in physical units around the config's mean and std
-    (0 and 1 where the config leaves them to the data). ``lr_size``: default the model's input size."""
+def batch_shapes(cfg: Config, lr_size: Optional[tuple[int, ...]] = None,
+                 batch: Optional[int] = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of the (input, target) batch train.py feeds for the config (``batch``: default the global batch;
+    ``lr_size``: default the model's input size, :func:`input_size`): task volume maps crop³ cubes of in_chans to
+    out_chans, SwinIR's upsampler enlarges the field, the others keep it."""
     m = cfg.model
     batch = batch or cfg.train.batch_size
-    lr_size = lr_size or input_size(cfg)
+    lr_size = tuple(lr_size or input_size(cfg))
+    if cfg.data.task == "volume":
+        side = (lr_size[0],) * 3
+        return (batch, m.in_chans, *side), (batch, m.out_chans, *side)
     scale = m.upscale if m.upsampler and m.model == "swinir" else 1  # the ViT forecasts the same grid
+    return (batch, m.in_chans, *lr_size), (batch, m.in_chans, lr_size[0] * scale, lr_size[1] * scale)
+
+
+def random_batch(cfg: Config, lr_size: Optional[tuple[int, int]] = None, device="cpu", batch: Optional[int] = None):
+    """(input, target) of the config's shapes (:func:`batch_shapes`), in physical units around the config's mean and
+    std (0 and 1 where the config leaves them to the data); a volume's stored fields, already in tanh's range."""
+    m = cfg.model
+    inputs, target = batch_shapes(cfg, lr_size, batch)
     g = torch.Generator().manual_seed(0)
-    if m.model == "unet3d":  # stored fields, already in tanh's range
-        side = lr_size[0]
-        return tuple((0.3 * torch.randn(batch, c, side, side, side, generator=g)).to(device)
-                     for c in (m.in_chans, m.out_chans))
+    if cfg.data.task == "volume":
+        return tuple((0.3 * torch.randn(shape, generator=g)).to(device) for shape in (inputs, target))
     mean = torch.tensor(m.mean or [0.0] * m.in_chans).view(1, -1, 1, 1)
     std = torch.tensor(m.std or [1.0] * m.in_chans).view(1, -1, 1, 1)
-    lr = torch.randn(batch, m.in_chans, *lr_size, generator=g) * std + mean
-    hr = torch.randn(batch, m.in_chans, lr_size[0] * scale, lr_size[1] * scale, generator=g) * std + mean
+    lr = torch.randn(inputs, generator=g) * std + mean
+    hr = torch.randn(target, generator=g) * std + mean
     return lr.to(device), hr.to(device)
 
 
@@ -334,12 +356,55 @@ def build_for_measurement(cfg: Config, device="cpu") -> nn.Module:
     return apply_ac(build_model(with_statistics(cfg).model).to(device), cfg.train.ac)
 
 
+def model_on_meta(cfg: Config) -> nn.Module:
+    """The config's model on the meta device (no memory, no time), with placeholder statistics where the data
+    would give them; a constructor that reads tensor values (SwinIR's drop-path rates) is built on the CPU first."""
+    model_cfg = with_statistics(cfg).model
+    return on_meta(lambda: build_model(model_cfg))
+
+
 def measure_config(cfg: Config, lr_size: Optional[tuple[int, int]] = None, device="cpu") -> MeasuredMemory:
     """:func:`measure_training_memory` of the config's model, AC, amp_dtype and loss at one input size
     (default: the model's input size, :func:`input_size`)."""
     lr, hr = random_batch(cfg, lr_size, device)
     model = build_for_measurement(cfg, device)
     return measure_training_memory(model, lr, hr, cfg.train.amp_dtype, loss_for(cfg))
+
+
+def measure_layout(cfg: Config, strategy: str = "none", model_fn: Optional[Callable[[], nn.Module]] = None,
+                   batch: Optional[tuple[torch.Tensor, torch.Tensor]] = None, loss=None) -> MeasuredMemory:
+    """One rank's training step on the CPU as train.py, train_ddp.py or train_fsdp.py runs it (``strategy`` none, ddp
+    or fsdp; HSDP: the config's hsdp_replicas), in a process group the caller started: the model built with its AC,
+    wrapped, AdamW as build_optimizer makes it, this rank's share of the global batch; the second of two steps
+    measured. ``peak`` counts from the model's build on: whatever stays allocated before the step (parameters, FSDP's
+    shards, DDP's buckets, AdamW's state, buffers, the model's caches) and the step's own; not the batch.
+    ``model_fn``, ``batch`` (this rank's) and ``loss``: another model than the config's (AC applied here)."""
+    device = torch.device("cpu")
+    world = dist.get_world_size() if strategy != "none" else 1
+    lr, hr = batch or random_batch(cfg, batch=cfg.train.batch_size // world)
+    loss, amp = loss or loss_for(cfg), cfg.train.amp_dtype
+    held = {}
+
+    def build() -> nn.Module:
+        if model_fn is None:
+            return build_for_measurement(cfg)
+        torch.manual_seed(cfg.train.seed)
+        return apply_ac(model_fn(), cfg.train.ac)
+
+    def run(marks):
+        model = {"ddp": apply_ddp, "fsdp": apply_fsdp}.get(strategy, lambda m, *_: m)(build(), cfg, device)
+        optimizer = build_optimizer(model, cfg, 1, device)[0]
+        _training_step(model, optimizer, lr, hr, amp, loss)
+        marks.append("start")
+        counter = SavedTensorBytes(exclude=_model_tensors(model))
+        _training_step(model, optimizer, lr, hr, amp, loss, counter, marks)
+        held.update(params=_tensor_bytes(model.parameters()), optimizer=_optimizer_state_bytes(optimizer),
+                    grads=_tensor_bytes(p.grad for p in model.parameters() if p.grad is not None),
+                    activations=counter.bytes, by_dtype=dict(counter.bytes_by_dtype))
+
+    peak, peak_forward = _cpu_allocation_peaks(run)
+    return MeasuredMemory(held["params"], held["grads"], held["optimizer"], held["activations"], peak, peak_forward,
+                          "torch.profiler CPU allocation trace from the build on", held["by_dtype"])
 
 
 def time_training_step(model: nn.Module, lr: torch.Tensor, hr: torch.Tensor, amp_dtype: str = "none",

@@ -316,8 +316,17 @@ class UNet3DShape:
 SHAPES = {"swinir": SwinIRShape, "vit": ViTShape, "unet3d": UNet3DShape}
 
 
+def has_description(model_cfg) -> bool:
+    """Whether the config's model has a hand-written description here (else the estimate traces it:
+    utils/memory/traced.py)."""
+    return getattr(model_cfg, "model", None) in SHAPES
+
+
 def model_shape(model_cfg) -> "SwinIRShape | ViTShape | UNet3DShape":
     """The shape the estimate needs of the config's model (``model: swinir``, ``vit`` or ``unet3d``)."""
+    if not has_description(model_cfg):
+        raise ConfigError(f"model {getattr(model_cfg, 'model', None)!r} has no hand-written memory description "
+                          "(utils/memory/shapes.py): use the traced estimate (utils/memory/traced.py)")
     return SHAPES[model_cfg.model].from_config(model_cfg)
 
 

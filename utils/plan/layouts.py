@@ -16,12 +16,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
-import torch
-
-from models import build_model
 from utils.config import Config, ConfigError, refuse_unapplied, validate
-from utils.memory.measure import with_statistics
-from utils.observe.flops import on_meta
+from utils.memory.measure import model_on_meta
 from utils.parallel.distributed import mp_mesh_layout
 from utils.parallel.domain_parallel import check_band_loss
 from utils.parallel.fsdp import mesh_shape
@@ -90,11 +86,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def meta_model(cfg: Config) -> torch.nn.Module:
-    """The config's model on the meta device (no memory, no time), with placeholder statistics where the data
-    would give them; a constructor that reads tensor values (SwinIR's drop-path rates) is built on the CPU first."""
-    model_cfg = with_statistics(cfg).model
-    return on_meta(lambda: build_model(model_cfg))
+meta_model = model_on_meta  # (utils/memory/measure.py: the estimate builds it too)
 
 
 def plan_of(cfg: Config) -> ModelPlan:

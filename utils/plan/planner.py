@@ -22,7 +22,8 @@ import torch
 from utils.config import Config, ConfigError
 from utils.memory.estimate import GB, MemoryEstimate, estimate_memory
 from utils.memory.measure import build_for_measurement, loss_for, random_batch, time_training_step
-from utils.memory.shapes import input_size, model_shape
+from utils.memory.shapes import has_description, input_size, model_shape
+from utils.memory.traced import CannotTrace, estimate_traced
 from utils.observe.flops import train_flops_per_sample
 from utils.plan.clusters import CPU_EFFICIENCY, THIS_MACHINE, Cluster, measured_efficiency, remember_efficiency
 from utils.plan.layouts import Layout, enumerate_layouts, meta_model
@@ -78,7 +79,7 @@ def model_facts(cfg: Config) -> tuple[float, list[int], int]:
     may cut) of the config's model, counted on the meta device."""
     flops = train_flops_per_sample(lambda: meta_model(cfg), (cfg.model.in_chans, *input_size(cfg)))
     grads = [4 * p.numel() for p in meta_model(cfg).parameters() if p.requires_grad][::-1]
-    shape = model_shape(cfg.model)
+    shape = model_shape(cfg.model) if has_description(cfg.model) else None  # (no pipeline without one)
     units = len(shape.pipeline_units()[0]) if hasattr(shape, "pipeline_units") else 0
     return flops, grads, units
 
@@ -141,13 +142,17 @@ def plan(cfg: Config, cluster: Cluster, nodes: int, batch_sizes: Optional[list[i
     flops, grads, units = model_facts(cfg)
     cluster = calibrated(cluster, cfg, flops, world)
     rows = []
+    # A model without a hand-written description: each layout's step traced on fake tensors (a second or two each).
+    estimate = estimate_memory if has_description(cfg.model) else estimate_traced
     for layout, layout_cfg in enumerate_layouts(cfg, world, cluster.gpus_per_node, units, batch_sizes):
         try:
-            estimate = estimate_memory(layout_cfg, world, STRATEGY[layout.strategy], device_type=cluster.device)
-        except ConfigError:  # the batch over dp, the bands: what the scripts would refuse too
+            memory = estimate(layout_cfg, world, STRATEGY[layout.strategy], device_type=cluster.device)
+        except CannotTrace:  # the model itself: one line for the whole plan
+            raise
+        except ConfigError:  # the batch over dp, the bands, tp/cp/pp untraced: what the scripts (or estimate) refuse
             continue
         speed = predict_speed(layout, layout_cfg, cluster, flops, grads)
-        rows.append(Row(layout, estimate, speed, cluster.memory_bytes,
+        rows.append(Row(layout, memory, speed, cluster.memory_bytes,
                         command(cfg, layout, cluster, nodes, list(user_args or []))))
     # Within 1 % of each other (the model's resolution at best), the simpler layout first, then the smaller one.
     rows.sort(key=lambda r: (not r.fits, -round(math.log(r.speed.samples_per_sec) / math.log(1.01)),

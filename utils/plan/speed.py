@@ -26,7 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from utils.memory.shapes import SwinIRShape, ViTShape, lr_input_size, model_shape
+from utils.config import ConfigError
+from utils.memory.measure import model_on_meta
+from utils.memory.shapes import SwinIRShape, ViTShape, has_description, lr_input_size, model_shape
+from utils.parallel.plans import ac_units
 from utils.parallel.pipeline_parallel import bubble_theory
 from utils.plan.clusters import Cluster
 from utils.plan.comm import ddp_buckets, node_busbw, predict_step, ring_allgather_seconds, ring_allreduce_seconds
@@ -77,7 +80,7 @@ def predict_speed(layout: Layout, cfg, cluster: Cluster, flops_per_sample: float
     inner = cluster.intra_bw if layout.tp * layout.cp <= g else cluster.inter_bw / g  # tp x cp groups
     act_bytes = 2 if key == "bf16" else 4
     param_bytes = 2 if PRECISIONS[layout.precision][1] == "bf16" else 4
-    shape = model_shape(cfg.model)
+    shape = model_shape(cfg.model) if has_description(cfg.model) else None  # (tp, cp, pp need one)
     grads = sum(grad_bytes)
     terms: dict[str, float] = {}
 
@@ -88,7 +91,7 @@ def predict_speed(layout: Layout, cfg, cluster: Cluster, flops_per_sample: float
         exposed_dp = p["exposed_s"]
     elif layout.strategy in ("fsdp", "hsdp", "mp"):
         shard = world // layout.tp if layout.strategy != "hsdp" else g
-        units = max(1, len(shape.fsdp_units(cfg.dist.fsdp_unit)))
+        units = max(1, fsdp_unit_count(cfg, shape))
         params = grads / 4 / layout.tp  # parameters per tp rank (an upper bound: some stay whole)
         bw = dp_bw if layout.strategy != "hsdp" else cluster.intra_bw
         gathers = 2 if cfg.dist.reshard_after_forward else 1
@@ -124,6 +127,16 @@ def predict_speed(layout: Layout, cfg, cluster: Cluster, flops_per_sample: float
     comm = sum(terms.values())
     step = compute + bubble + exposed
     return Speed(compute, comm, exposed, bubble, step, batch / step, ideal / step, terms)
+
+
+def fsdp_unit_count(cfg, shape) -> int:
+    """FSDP units: the hand-written description's, else the model's own (its row in utils/parallel/plans.py)."""
+    if shape is not None:
+        return len(shape.fsdp_units(cfg.dist.fsdp_unit))
+    try:
+        return len(ac_units(model_on_meta(cfg), cfg.dist.fsdp_unit))
+    except ConfigError:  # no units: the root alone
+        return 1
 
 
 def _model_parallel(layout: Layout, shape, cfg, replica_batch: int, a: int, bw: float, lat: float,
