@@ -40,7 +40,6 @@ from utils.memory.estimate import estimate_memory  # noqa: E402
 from utils.memory.measure import measure_layout  # noqa: E402
 from utils.memory.shapes import SHAPES  # noqa: E402
 from utils.memory.traced import estimate_model, estimate_traced  # noqa: E402
-from utils.parallel.plans import PLANS, ModelPlan  # noqa: E402
 
 # The models: (name, base config, overrides); batches are global (4 and 8 divide over 2 and 4 processes).
 SWINIR_TINY = dict(depths=[2], num_heads=[2], embed_dim=16, img_size=16, drop_path_rate=0.0, window_size=8,
@@ -73,7 +72,6 @@ LAYOUTS = [
     (4, "fsdp", dict(ac="block")),
     (4, "fsdp", dict(amp_dtype="bf16", hsdp_replicas=2)),
 ]
-PLAN_ROWS = {"SpectralNet": ModelPlan(units={"block": lambda model: model.blocks()})}  # (no row in plans.py yet)
 
 
 def case_config(model: str, keys: dict):
@@ -102,7 +100,6 @@ def label(strategy: str, keys: dict) -> str:
 def _worker(rank: int, ranks: int, port: int, cases: list, repeats: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # as torchrun runs each process
-    PLANS.update(PLAN_ROWS)
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
     results = []
     for model, strategy, keys in cases:
@@ -161,7 +158,6 @@ def main(argv=None) -> int:
     parser.add_argument("--measured", type=Path, default=None,
                         help="a JSON file of the measurements: read if it exists (estimates only), else written")
     args = parser.parse_args(argv)
-    PLANS.update(PLAN_ROWS)
     models = QUICK if args.quick else tuple(MODELS)
     cases = [(ranks, model, strategy, keys) for model in models for ranks, strategy, keys in LAYOUTS]
     if args.measured and args.measured.exists():

@@ -12,12 +12,14 @@ import torch
 from torch import nn
 
 import estimate_memory
+from models import UNet3D
 from tests.spectral_model import SpectralNet
 from utils.config import ConfigError, build_config
 from utils.memory import shapes, traced
 from utils.memory.measure import measure_layout
 from utils.memory.traced import CannotTrace, estimate_model, estimate_traced, refuse_untraceable_layout
-from utils.parallel.plans import PLANS, ModelPlan
+from utils.parallel import plans
+from utils.parallel.plans import ModelPlan
 from utils.plan.clusters import load_cluster
 from utils.plan.planner import plan
 from utils.training import run_cli
@@ -26,13 +28,7 @@ SHAPE = (2, 3, 16, 32)
 SPECTRAL = dict(width=8, modes=4, depth=2)
 
 
-@pytest.fixture
-def spectral_units(monkeypatch):
-    """The row a plugged-in model declares beside itself (issue 38, item 3): its blocks are its units."""
-    monkeypatch.setitem(PLANS, "SpectralNet", ModelPlan(units={"block": lambda model: model.blocks()}))
-
-
-def test_a_model_the_project_never_saw_within_10_percent_of_its_measured_peak(spectral_units):
+def test_a_model_the_project_never_saw_within_10_percent_of_its_measured_peak():  # units: its blocks(), no plan
     cfg = build_config("quickstart", {"amp_dtype": "bf16", "ac": "block", "device": "cpu"})
     g = torch.Generator().manual_seed(0)
     batch = torch.randn(SHAPE, generator=g), torch.randn(SHAPE, generator=g)
@@ -57,7 +53,7 @@ UNET = ["--config", "unet3d_quickstart", "--crop_size", "16", "--widths", "[4, 8
 
 def test_a_model_without_a_description_is_traced_by_estimate_memory_and_plan(monkeypatch, tmp_path, capsys):
     monkeypatch.delitem(shapes.SHAPES, "unet3d")  # as for a model plugged in from outside
-    monkeypatch.setitem(PLANS, "UNet3D", ModelPlan())  # no units: two layouts on one process (fp32, bf16)
+    monkeypatch.setitem(plans._PLANS, UNet3D, ModelPlan())  # no units: two layouts on one process (fp32, bf16)
     assert estimate_memory.main(UNET) == 0
     table = capsys.readouterr().out
     for words in ("UNet3D training memory, traced — config unet3d_quickstart", "input 2x4x16x16x16 per rank",
