@@ -50,8 +50,9 @@ def add_arguments(parser) -> None:
 
 
 def user_overrides(args) -> list[str]:
-    """The config overrides given on the command line, as --key value (YAML values, as the scripts parse them)."""
-    out = []
+    """The config overrides given on the command line, as --key value (YAML values, as the scripts parse them),
+    after the config file they were read from, if it is not the project's."""
+    out = ["--config_file", args.config_file] if args.config_file else []
     for key, value in vars(args).items():
         if key.startswith("cfg__"):
             text = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
@@ -99,6 +100,8 @@ def main(argv=None) -> int:
         print(json.dumps([row.to_json() for row in rows]))
         return 0
     print(format_table(rows, cluster, args.nodes, cfg, args.top))
+    if cluster.assumed(cfg.model.model):
+        print(cluster.assumed(cfg.model.model))
     if rows and rows[0].fits:
         print(f"\nwhy: {why_it_wins(rows)}")
         print(f"run: {rows[0].command}")

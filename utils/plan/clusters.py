@@ -50,11 +50,25 @@ class Cluster:
     submit: str = "sbatch --nodes {nodes}"  # how a job starts there (then submit_multinode.sh SCRIPT ...)
 
     def efficiency_of(self, model: str, precision: str) -> float:
+        """The entry's fraction for ``model``; a model it does not name (yours) takes its ``default``, a guess
+        that :meth:`assumed` says is one."""
         try:
-            return float(self.efficiency[model][precision])
+            return float(self.efficiency.get(model, self.efficiency.get(DEFAULT_EFFICIENCY, {}))[precision])
         except KeyError:
             raise ConfigError(f"cluster {self.name}: no efficiency for model {model}, precision {precision}: add "
                               f"efficiency: {{{model}: {{{precision}: 0.3}}}} to its entry") from None
+
+    def assumed(self, model: str) -> str:
+        """The note for a model whose efficiency on this cluster is the default's, not measured ("" if measured)."""
+        if model in self.efficiency or DEFAULT_EFFICIENCY not in self.efficiency:
+            return ""
+        guess = ", ".join(f"{p} {v:g}" for p, v in self.efficiency[DEFAULT_EFFICIENCY].items())
+        return (f"note: {self.name} has no measured efficiency for model {model}: samples/s assume the default's "
+                f"({guess}); measure a step and add efficiency: {{{model}: {{...}}}} to its entry (--cluster_file)")
+
+
+DEFAULT_EFFICIENCY = "default"
+"""The efficiency entry of a model that has none of its own."""
 
 
 def read_cluster_file(path: Path) -> dict[str, dict]:

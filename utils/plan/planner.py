@@ -126,9 +126,9 @@ def command(cfg: Config, layout: Layout, cluster: Cluster, nodes: int, user_args
         launch = f"{cluster.submit.format(nodes=nodes)} submit_multinode.sh"
     args = ["--config", cfg.name, *user_args]
     for key, value in keys.items():
-        if f"--{key}" in user_args:
-            index = user_args.index(f"--{key}")
-            del args[2 + index: 2 + index + 2]
+        if f"--{key}" in args:  # the layout's value instead of the user's
+            index = args.index(f"--{key}")
+            del args[index: index + 2]
         args += [f"--{key}", str(value)]
     return f"{launch} {layout.script} {shlex.join(args)}"
 
