@@ -36,6 +36,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -156,10 +157,13 @@ def launch(nproc: int) -> int:
            "LOCAL_WORLD_SIZE": str(nproc), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads)}
     with tempfile.TemporaryDirectory() as tmp:
         logs = [open(f"{tmp}/{rank}.log", "w+") for rank in range(nproc)]
-        # Rank 0 speaks (the table, or one error line); another rank's output is shown only if it fails first.
         procs = [subprocess.Popen([sys.executable, *sys.argv], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                                  stdout=None if r == 0 else logs[r], stderr=None if r == 0 else logs[r])
+                                  stdout=subprocess.PIPE if r == 0 else logs[r], stderr=logs[r], text=True)
                  for r in range(nproc)]
+        # Rank 0 speaks: its table line by line through this process's stdout (whatever that is); the others'
+        # output, and rank 0's stderr, are shown if they fail.
+        relay = threading.Thread(target=lambda: [print(line, end="", flush=True) for line in procs[0].stdout])
+        relay.start()
         first = None  # the first rank seen failing
         try:
             while first is None and any(p.poll() is None for p in procs):
@@ -169,11 +173,14 @@ def launch(nproc: int) -> int:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
+            relay.join()
         codes = [p.wait() for p in procs]
         first = next((r for r, code in enumerate(codes) if code), None) if first is None else first
-        if first:
+        if first is not None:
             logs[first].seek(0)
-            print(f"[rank {first}] exited {codes[first]}:\n{logs[first].read()[-4000:]}", file=sys.stderr)
+            said = logs[first].read()
+            print(f"[rank {first}] exited {codes[first]}:\n{said[-4000:]}" if first else said.rstrip(),
+                  file=sys.stderr)
         for log in logs:
             log.close()
     return 0 if first is None else codes[first] if codes[first] > 0 else 1

@@ -50,7 +50,7 @@ Chosen between what rounding alone gives and what the bugs the check is for give
 the three built-in models (docs/beyond-data-parallel.md, "Check a model's layouts"): rounding reaches 3e-7 for the
 losses, 7e-5 for the gradients (SwinIR's last bias on 4 bands: one sum of 10^4 terms split 4 ways) and 3e-3 for
 the weights; leaving out a reduction or a halo gives 7e-4 to 0.3 for the losses, 0.9 to 2.5 for the gradients
-and 1 to 5 for the weights. Each limit sits an order of magnitude or more above the one and below the other."""
+and 2 to 90 for the weights. Each limit sits an order of magnitude or more above the one and below the other."""
 FLOOR = 1e-2
 """A gradient is measured against its own largest entry (a weight against how far it moved), but never against
 less than FLOOR x the largest of all the model's gradients at that step (of how far any weight moved). Rounding
