@@ -160,6 +160,7 @@ TRAINS = re.compile(r"\btrain\w*\.py\b|\btorchrun\b|bench_ddp_overhead|benchmark
 # Output lines are compared by shape: these rules, in order, replace what differs between runs.
 SHAPE_RULES = [
     (re.compile(r" --data_dir [^\s)]+"), ""),                       # the test's data override, echoed back
+    (re.compile(r"\b(PASS|FAIL) +[\w.]+"), r"\1 <parameter>"),     # check_layouts.py: which gradient rounds most
     (re.compile(r"^\s*->.*"), "-> <verdict>"),                       # the throughput breakdown's conclusion
     (re.compile(r"aten::\w+"), "<op>"),                              # which ops lead the profile
     (re.compile(r"(?<![\w.])[\w.<>-]*(?:/[\w.<>*-]+)+/?"), "<path>"),  # run folders, files, units like samples/s
