@@ -1,10 +1,10 @@
 """check_layouts.py: every layout of a model against one process, in one command.
 
 - Its runs: the ViT's tensor, context and pipeline layouts, and each cp layout without its gradient reduction,
-  which must FAIL naming the gradients (tests/test_mp.py); SwinIR's DDP, FSDP, HSDP, tensor and pipeline layouts
+  which must FAIL naming the gradients (tests/test_mp.py); SwinIR's tensor and pipeline layouts
   (tests/test_pp.py); SwinIR's bands, without the halo or the cp reduction too, through the same harness
-  (tests/dp_layouts.py via tests/test_domain_parallel.py); the command as typed, with its launcher
-  (docs/beyond-data-parallel.md via tests/test_readme.py).
+  (tests/dp_layouts.py via tests/test_domain_parallel.py); the command as typed, with its launcher, DDP, FSDP and
+  HSDP included (docs/beyond-data-parallel.md via tests/test_readme.py).
 - Here, in this process: the rows a model's plan gives (a model without plans lists each technique as not in its
   plan), the batches each task feeds, and bad input in one line.
 """
