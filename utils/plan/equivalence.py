@@ -49,8 +49,9 @@ an entry's gradient by its own running size, so rounding in a small entry become
 Chosen between what rounding alone gives and what the bugs the check is for give, as measured on every layout of
 the three built-in models (docs/beyond-data-parallel.md, "Check a model's layouts"): rounding reaches 3e-7 for the
 losses, 7e-5 for the gradients (SwinIR's last bias on 4 bands: one sum of 10^4 terms split 4 ways) and 3e-3 for
-the weights; leaving out a reduction or a halo gives 7e-4 to 0.3 for the losses, 0.9 to 2.5 for the gradients
-and 2 to 90 for the weights. Each limit sits an order of magnitude or more above the one and below the other."""
+the weights; leaving out a reduction or a halo gives 0.9 to 2.5 for the gradients, 2 to 90 for the weights and
+6e-5 to 0.3 for the losses (the weakest witness: a reduction acts in backward, so the first step's loss is right).
+Each limit sits an order of magnitude or more above rounding, and below the bugs (the loss's: 6 times)."""
 FLOOR = 1e-2
 """A gradient is measured against its own largest entry (a weight against how far it moved), but never against
 less than FLOOR x the largest of all the model's gradients at that step (of how far any weight moved). Rounding
