@@ -1,10 +1,10 @@
 """Does every layout of a model train as one device does? Checked on a laptop, in one command, before GPU hours.
 
-    python check_layouts.py --config vit_quickstart --depths [4]          # the ViT: every layout, 4 CPU processes
-    python check_layouts.py --config quickstart --depths [1,1,1,1] --num_heads [2,2,2,2]   # SwinIR: 4 RSTBs
-    python check_layouts.py --config unet3d_quickstart --crop_size 16    # the U-Net: DDP, FSDP, HSDP only
+    python check_layouts.py --config vit_quickstart --depths '[4]'     # the ViT: every layout, 4 CPU processes
+    python check_layouts.py --config quickstart --depths '[1,1,1,1]' --num_heads '[2,2,2,2]'   # SwinIR: 4 RSTBs
+    python check_layouts.py --config unet3d_quickstart --crop_size 16   # the U-Net: DDP, FSDP, HSDP only
     python check_layouts.py --config_file my_model.yaml --config my_model --nproc 2
-    python check_layouts.py --config vit_quickstart --left_out cp_reduction   # a broken layout: it must FAIL
+    python check_layouts.py --config vit_quickstart --only cp --left_out cp_reduction   # also cp without it: FAIL
 
 It starts --nproc CPU processes itself (gloo; torchrun's variables, so `torchrun --nproc-per-node 4
 check_layouts.py ...` works too) and runs every layout the model's plan (utils/parallel/plans.py: model_plan)
@@ -15,9 +15,10 @@ config's optimizer, without warm-up) on the same random global batches, shaped a
 model (sr: low-res fields in, img_size x upscale out; forecast: img_size fields in and out; volume: crop_size
 cubes); one process trains them too. The table gives, per layout, the largest relative difference from one
 process of the loss, of every gradient (the worst parameter named) and of the weights after the last step, and
-PASS or FAIL against the tolerance (fp32; the number and why: utils/plan/equivalence.py, TOLERANCE).
+PASS or FAIL against the tolerance (fp32; the numbers and why: utils/plan/equivalence.py, TOLERANCE).
 Layouts the plan lacks are listed as such, and a layout its script refuses for this config says why; neither
-fails. Exit 0 when every layout that ran passes, 1 when one fails, 2 on bad input.
+fails. --left_out runs each layout that has the piece once more without it, which must FAIL. Exit 0 when every
+layout that ran equals one process (and every one with a piece left out does not), 1 otherwise, 2 on bad input.
 
 The model is whatever models.build_model builds from the config, so a model of your own is checked the same
 way. The check is in fp32 and without random layers: --amp_dtype, --param_dtype and --reduce_dtype stay fp32,
