@@ -235,6 +235,20 @@ def run_script(*args: str, timeout: float = 240, env_extra: dict | None = None, 
     return proc
 
 
+def assert_layout_equal(row: dict) -> None:
+    """A check_layouts.py row (utils.plan.equivalence.Comparison.summary) that passes, and within the tighter limits
+    the built-in models held before the check existed: gradients within 1e-4 of their largest entry."""
+    assert row["passed"] and row["grads_differ"] == [] and row["weights_differ"] == [] and not row["missing"], row
+    assert row["grad"] < 1e-4 and row["weight"] < 1e-2, row
+
+
+def check_layouts(*args: str, ranks: int = 4, check: bool = True) -> tuple[int, list[dict]]:
+    """check_layouts.py's rows (--json) for ``args``, its ranks started directly as run_script starts them (the
+    launcher's own interpreter is what check_layouts.py adds for a user); the exit code beside them."""
+    proc = run_script("check_layouts.py", *args, "--json", ranks=ranks, check=check)
+    return proc.returncode, [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
 def exit_in_one_process(capsys, script: str, *args: str) -> tuple[int | str | None, list[str]]:
     """``python SCRIPT ARGS`` in this process (no torchrun: 1 rank), as tests/test_script_invariants.py runs the
     scripts, for a command line that must stop (SystemExit): its exit code and the lines of its stderr. The

@@ -15,13 +15,11 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from tests.conftest import (REFERENCE_STEPS, VIT_STEPS, FakeMesh, exit_in_one_process, read_metrics, run_script,
-                            run_then_resume, tiny_args, vit_args, weights_at)
+from tests.conftest import (REFERENCE_STEPS, VIT_STEPS, FakeMesh, assert_layout_equal, check_layouts,
+                            exit_in_one_process, read_metrics, run_then_resume, tiny_args, vit_args, weights_at)
 from tests.plan_memory import assert_within
 from tests.test_ddp import assert_same_weights, train_losses
 from tests.test_fsdp import exported
@@ -30,23 +28,35 @@ from utils.config import ConfigError, build_config
 from utils.parallel.context_parallel import apply_cp, band_rows
 from utils.parallel.distributed import mp_mesh_layout
 from utils.parallel.tensor_parallel import apply_tp
+from utils.plan.layouts import SCHEDULES
 
 # ------------------------------------------------------------------ every layout, step by step
 
 
-def test_every_layout_gives_one_process_gradients_and_a_missing_cp_reduction_is_caught():
-    proc = run_script("tests/mp_layouts.py", ranks=4)
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    layouts = [(r["model"], r["tp"], r["cp"], r["order"]) for r in results if r["fold_cp"]]
-    assert layouts == [("vit", 2, 1, "tp-cp-dp"), ("vit", 1, 2, "dp-cp-tp"), ("vit", 2, 2, "tp-cp-dp"),
-                       ("swinir", 2, 1, "tp-cp-dp")]
-    for result in results:
-        # every parameter of the 2-block ViT / the 1-RSTB SwinIR (relative-position bias tables included)
-        assert result["parameters"] == {"vit": 38, "swinir": 38}[result["model"]]
-        if result["fold_cp"]:
-            assert result["losses_equal"] and result["grads_differ"] == [] and result["weights_differ"] == [], result
-    unreduced = next(r for r in results if not r["fold_cp"])
-    assert {"norm.weight", "norm.bias", "pos_embed", "head.weight"} <= set(unreduced["grads_differ"])
+# The ViT in miniature: 3 x 4 tokens of 4x4 patches, 4 blocks (4 units for 4 pipeline stages).
+VIT_TINY = ("--config", "vit_quickstart", "--img_size", "[12, 16]", "--patch_size", "4", "--in_chans", "3",
+            "--channel_names", "[]", "--embed_dim", "16", "--depths", "[4]", "--num_heads", "[2]")
+
+
+def test_every_vit_layout_equals_one_process_and_a_missing_cp_reduction_is_caught():
+    # One 4-process run of check_layouts.py, 2 steps: dp 2 x tp 2, dp 2 x cp 2 (3 token rows: 2 + 1), tp 2 x cp 2
+    # (the mesh in the other rank order), dp 2 x pp 2 under every schedule (replicated pipelines); and each cp
+    # layout once more with gradients averaged over dp only (NERSC DL4SCI25's final norm). (The ViT's DDP and FSDP:
+    # tests/test_vit_training.py, end to end; cp with activation checkpointing: the resumed train_mp.py run below.)
+    code, rows = check_layouts(*VIT_TINY, "--only", "tp,cp,pp", "--steps", "2", "--parallel_order", "dp-cp-tp",
+                               "--pp_dp", "ddp", "--left_out", "cp_reduction")
+    assert code == 0
+    assert [r["layout"] for r in rows] == [
+        "dp2 x tp2", "dp2 x cp2", "dp2 x cp2 without cp_reduction", "tp2 x cp2", "tp2 x cp2 without cp_reduction",
+        *(f"dp2 x pp2 {s} m2" for s in SCHEDULES)]
+    for row in rows:
+        assert row["parameters"] == 70 and not row["missing"], row  # 4 blocks: every weight, held by a stage
+        if not row["left_out"]:
+            assert_layout_equal(row)
+    assert {r["layout"]: r["detail"] for r in rows}["dp2 x pp2 zbv m2"] == "stages of [1, 1, 1, 1] units"
+    for unreduced in (r for r in rows if r["left_out"]):  # FAIL, naming the gradients
+        assert not unreduced["passed"] and unreduced["worst_grad"] in unreduced["grads_differ"]
+        assert {"norm.weight", "norm.bias", "pos_embed", "head.weight"} <= set(unreduced["grads_differ"])
 
 
 # ------------------------------------------------------------------ train_mp.py end to end

@@ -14,14 +14,12 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from models import build_model
-from tests.conftest import (VIT_STEPS, exit_in_one_process, read_metrics, run_script, run_then_resume, tiny_args,
-                            vit_args, weights_at)
+from tests.conftest import (VIT_STEPS, assert_layout_equal, check_layouts, exit_in_one_process, read_metrics,
+                            run_script, run_then_resume, tiny_args, vit_args, weights_at)
 from tests.plan_memory import assert_within
 from tests.test_ddp import assert_same_weights, train_losses
 from tests.test_fsdp import exported
@@ -32,27 +30,26 @@ from utils.parallel.pipeline_parallel import balanced_split, bubble_theory, cut_
 SWINIR_4 = ("--depths", "[1,1,1,1]", "--num_heads", "[2,2,2,2]")
 
 
-def layout_results(launch: str, ranks: int) -> list[dict]:
-    proc = run_script("tests/pp_layouts.py", launch, ranks=ranks)
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-
-
-def assert_all_equal(results: list[dict], expected: int) -> None:
-    assert len(results) == expected
-    for result in results:
-        assert result["parameters"] == 70 and result["cut_exact"], result
-        assert result["losses_equal"] and not result["grads_differ"] and not result["weights_differ"], result
-
-
-def test_every_schedule_on_two_ranks_equals_one_process():
-    results = layout_results("schedules", 2)
-    assert_all_equal(results, 8)
-    splits = {(r["model"], r["schedule"]): r["split"] for r in results}
-    assert splits[("swinir", "1f1b")] == [2, 2] and splits[("vit", "zbv")] == [1, 1, 1, 1]
-
-
-def test_two_pipelines_of_two_stages_equal_one_process():
-    assert_all_equal(layout_results("dp", 4), 3)
+def test_every_swinir_layout_equals_one_process():
+    # One 4-process run of check_layouts.py, 2 steps, on SwinIR with 4 RSTBs of one block and activation
+    # checkpointing per block: dp 2 x tp 2, and dp 2 x pp 2 under gpipe, 1f1b and interleaved 1F1B with FSDP2
+    # across the pipelines (the long skip passed along); ZB-V refuses activation checkpointing in one line (ZB-V
+    # itself: the end-to-end run below). (SwinIR's DDP, FSDP and HSDP: tests/test_ddp.py and test_fsdp.py, end to
+    # end; its cp: tests/test_domain_parallel.py.)
+    code, rows = check_layouts("--config", "quickstart", *SWINIR_4, "--embed_dim", "16", "--img_size", "16",
+                               "--ac", "block", "--only", "tp,pp", "--steps", "2")
+    assert code == 0
+    ran = {r["layout"]: r for r in rows if "not_run" not in r}
+    assert list(ran) == ["dp2 x tp2", "dp2 x pp2 gpipe m2", "dp2 x pp2 1f1b m2", "dp2 x pp2 interleaved_1f1b m2"]
+    for row in ran.values():  # every weight, relative-position bias tables included; each held by a stage
+        assert row["parameters"] == 70
+        assert_layout_equal(row)
+    assert ran["dp2 x pp2 1f1b m2"]["detail"] == "stages of [2, 2] units"
+    assert ran["dp2 x pp2 interleaved_1f1b m2"]["detail"] == "stages of [1, 1, 1, 1] units"
+    assert rows[-1] == {"layout": "dp2 x pp2 zbv m2", "not_run": (
+        "not run: zbv splits each backward into an input and a weight half, and activation checkpointing cannot "
+        "recompute a unit for the second half in torch 2.15 (AttributeError in torch.utils.checkpoint): use --ac "
+        "none with zbv, or another schedule")}
 
 
 # ------------------------------------------------------------------ train_pp.py end to end

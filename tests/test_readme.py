@@ -112,6 +112,8 @@ CPU_RUN = {
         "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 2",
     "torchrun --standalone --nproc-per-node 2 train_mp.py --config quickstart --cp 2 --run_dir runs/quickstart_cp2":
         "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 2",
+    "python check_layouts.py --config vit_quickstart --depths '[4]' --nproc 2 --left_out cp_reduction":
+        "... --img_size '[16, 32]' --patch_size 4 --embed_dim 32 --steps 2",  # the same rows, a smaller ViT
     # docs/performance.md (the ladder's rungs' own keys may not follow --: no --num_workers here)
     "python benchmarks/ladder.py --config quickstart":
         f"... --steps 2 --breakdown-steps 1 --repeats 1 --rungs baseline -- {TINY} --crop_size 32 --n_patches 2 --val_samples 2",
@@ -173,6 +175,7 @@ TRAINS = re.compile(r"\btrain\w*\.py\b|\btorchrun\b|bench_ddp_overhead|benchmark
 # Output lines are compared by shape: these rules, in order, replace what differs between runs.
 SHAPE_RULES = [
     (re.compile(r" --data_dir [^\s)]+"), ""),                       # the test's data override, echoed back
+    (re.compile(r"\b(PASS|FAIL) +[\w.]+"), r"\1 <parameter>"),     # check_layouts.py: which gradient rounds most
     (re.compile(r"^\s*->.*"), "-> <verdict>"),                       # the throughput breakdown's conclusion
     (re.compile(r"aten::\w+"), "<op>"),                              # which ops lead the profile
     (re.compile(r"(?<![\w.])[\w.<>-]*(?:/[\w.<>*-]+)+/?"), "<path>"),  # run folders, files, units like samples/s

@@ -80,6 +80,10 @@ def check_pipeline(cfg, pp: int, replica_batch: int, n_units: int, units_name: s
         raise ConfigError("zbv splits each backward into an input and a weight half (retain_graph), which "
                           "torch.compile's backward does not allow in torch 2.15: use --compile false with "
                           "zbv, or another schedule")
+    if d.pp_schedule == "zbv" and cfg.train.ac != "none":  # found by check_layouts.py
+        raise ConfigError("zbv splits each backward into an input and a weight half, and activation checkpointing "
+                          "cannot recompute a unit for the second half in torch 2.15 (AttributeError in "
+                          "torch.utils.checkpoint): use --ac none with zbv, or another schedule")
     if cfg.train.amp_dtype == "fp16":
         raise ConfigError("train_pp.py: fp16 needs a loss scale inside the pipeline schedule; use --amp_dtype bf16 "
                           "(no scaling needed) or none")
