@@ -331,7 +331,7 @@ def batch_shapes(cfg: Config, lr_size: Optional[tuple[int, ...]] = None,
     if cfg.data.task == "volume":
         side = (lr_size[0],) * 3
         return (batch, m.in_chans, *side), (batch, m.out_chans, *side)
-    scale = m.upscale if m.upsampler and m.model == "swinir" else 1  # the ViT forecasts the same grid
+    scale = m.upscale if cfg.data.task == "sr" and m.upsampler else 1  # a forecast or a box: the same grid
     return (batch, m.in_chans, *lr_size), (batch, m.in_chans, lr_size[0] * scale, lr_size[1] * scale)
 
 

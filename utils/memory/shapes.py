@@ -358,10 +358,10 @@ def lr_input_size(cfg: Config, field: Optional[tuple[int, int]] = None) -> tuple
 
 
 def input_size(cfg: Config, field: Optional[tuple[int, int]] = None) -> tuple[int, ...]:
-    """Spatial size of the model's input: the ViT's img_size (its only size), SwinIR's low-res input, the
-    U-Net's crop (side, side, side)."""
-    if cfg.model.model == "vit":
+    """Spatial size of the model's input, by task (any model's, as the contract says): a forecaster's img_size (the
+    field it is given; the ViT's only size), a super-resolver's low-res input, a volume's crop (side, side, side)."""
+    if cfg.data.task == "forecast":
         return cfg.model.img_hw
-    if cfg.model.model == "unet3d":
+    if cfg.data.task == "volume":
         return (cfg.data.crop_size,) * 3
     return lr_input_size(cfg, field)

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from utils.config import ConfigError
-from utils.parallel.plans import missing_plan, model_plan
+from utils.parallel.plans import config_plan, missing_plan, model_plan
 
 BICUBIC_REACH = 2
 """Rows a bicubic resize reads beyond the rows it maps (its 4 taps): the loader's and the baseline's halo."""
@@ -266,9 +266,9 @@ def check_band_loss(cfg) -> None:
 
 
 def field_bands(cfg, cp_mesh) -> Optional[FieldBands]:
-    """This rank's band when the config's model splits its fields over ``cp_mesh`` (SwinIR with cp > 1), else None
-    (the ViT's context parallelism splits tokens inside the model: its ranks read whole fields)."""
-    if cp_mesh is None or cp_mesh.size() == 1 or cfg.model.model != "swinir":
+    """This rank's band when the config's model splits its fields over ``cp_mesh`` (its plan's cp "fields", cp > 1),
+    else None (the ViT's context parallelism splits tokens inside the model: its ranks read whole fields)."""
+    if cp_mesh is None or cp_mesh.size() == 1 or config_plan(cfg.model).cp != "fields":
         return None
     check_band_loss(cfg)
     return FieldBands(cp_mesh.get_local_rank(), cp_mesh.size(), cfg.model.window_size, cp_mesh.get_group())

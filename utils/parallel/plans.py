@@ -27,6 +27,7 @@ Each plan says:
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -34,7 +35,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-from models import SwinIR, UNet3D, ViT
+from models import SwinIR, UNet3D, ViT, load_model_class
 from utils.config import ConfigError
 
 
@@ -151,12 +152,29 @@ register_plan(UNet3D, ModelPlan(units={"block": lambda model: model.blocks()}))
 
 def model_plan(model: nn.Module) -> ModelPlan:
     """The plan registered for the model's class (or a base class); else units from its ``blocks()``, if any."""
-    for cls in type(model).__mro__:
+    return class_plan(type(model))
+
+
+def class_plan(model_class: type) -> ModelPlan:
+    """:func:`model_plan` before the model is built (the loaders of a model whose fields are split need it)."""
+    for cls in model_class.__mro__:
         if cls in _PLANS:
             return _PLANS[cls]
-    if callable(getattr(model, "blocks", None)):  # the contract's one optional method, not a model's internals
+    if callable(getattr(model_class, "blocks", None)):  # the contract's one optional method, not its internals
         return ModelPlan(units={"block": lambda model: model.blocks()})
     return ModelPlan()
+
+
+def config_plan(model_cfg) -> ModelPlan:
+    """The plan of the model a config's model section builds (its class, imported as build_model would)."""
+    target = load_model_class(model_cfg.model_class, model_cfg.model_path)
+    return class_plan(target if isinstance(target, type) else _returned_class(target))
+
+
+def _returned_class(factory) -> type:
+    # A factory (models.swinir:build) says what it returns in its annotation; without one, nothing is known.
+    returned = typing.get_type_hints(factory).get("return")
+    return returned if isinstance(returned, type) else object
 
 
 def missing_plan(model: nn.Module, what: str, flag: str) -> ConfigError:

@@ -22,7 +22,7 @@ from utils.parallel.distributed import mp_mesh_layout
 from utils.parallel.domain_parallel import check_band_loss
 from utils.parallel.fsdp import mesh_shape
 from utils.parallel.pipeline_parallel import STAGES_PER_RANK, check_pipeline
-from utils.parallel.plans import ModelPlan, model_plan
+from utils.parallel.plans import ModelPlan, config_plan, model_plan
 from utils.parallel.tensor_parallel import check_heads
 
 SCHEDULES = tuple(STAGES_PER_RANK)
@@ -140,7 +140,7 @@ def layout_config(cfg: Config, layout: Layout) -> Config:
         mp_mesh_layout(layout.world, layout.tp, layout.cp, new.dist.parallel_order)
         for heads in new.model.num_heads:
             check_heads(heads, layout.tp)
-        if layout.cp > 1 and new.model.model == "swinir":
+        if layout.cp > 1 and config_plan(new.model).cp == "fields":
             check_band_loss(new)
     if layout.strategy == "hsdp":
         mesh_shape(layout.world, layout.hsdp_replicas)
