@@ -11,6 +11,11 @@ handled as it handles the others: it passes the signal on, waits for the workers
 to TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds, 600 here rather than 30, as a checkpoint takes a while to write;
 torch 2.6-2.14 wait 30 s), and this launcher exits 75 as they do, instead of torchrun's traceback. Everything
 else, restarts included, is torchrun's. The job scripts (submit_multinode.sh) launch with it.
+
+Only SIGUSR1 makes it exit 75, the code after which a job requeues itself. SIGTERM also reaches it when srun
+ends a job step because a task on another node failed: the workers are still asked to checkpoint and stop, but
+it exits 143 (128 + SIGTERM), so that a failed run fails its job instead of being requeued to fail again. A
+SIGTERM the job script was sent (scancel, preemption) is the job script's to act on, whatever this exits.
 """
 
 import os
@@ -38,9 +43,10 @@ def main() -> None:
     try:
         torchrun(sys.argv[1:])
     except SignalException as stop:
+        code = EXIT_STOPPED if stop.sigval == signal.SIGUSR1 else 128 + stop.sigval
         print(f"launch.py: {stop.sigval.name}: the workers were asked to checkpoint their step and stop; continue "
-              f"with the same command and --resume auto (exit code {EXIT_STOPPED})", file=sys.stderr, flush=True)
-        sys.exit(EXIT_STOPPED)
+              f"with the same command and --resume auto (exit code {code})", file=sys.stderr, flush=True)
+        sys.exit(code)
 
 
 if __name__ == "__main__":
