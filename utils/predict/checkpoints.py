@@ -24,10 +24,11 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from models import build_model
+from models import ModelError, build_model
 from utils.checkpoint import (DCP_METADATA, CheckpointError, TrainState, damage_in, latest_checkpoint,
                               load_checkpoint, strip_wrapper_prefixes)
 from utils.config import Config, ConfigError, build_config, load_named_configs
+from utils.observe.flops import on_meta
 from utils.parallel.fsdp import latest_sharded_checkpoint
 
 WEIGHT_KEYS = ("model", "params_ema", "params", "model_state_dict", "state_dict")
@@ -154,3 +155,18 @@ def _dcp_load(state: dict, folder: Path) -> None:
     except (Exception, CheckpointException) as error:  # DCP's is a BaseException
         reason = damage_in(error) or " ".join(str(error).split())[:200]
         raise CheckpointError(f"checkpoint {folder} cannot be read ({reason})") from None
+
+
+def output_shape(cfg: Config, shape: Sequence[int]) -> Optional[tuple[int, ...]]:
+    """What the model makes of one input of ``shape`` (channels, *spatial), found on the meta device (no memory, no
+    time); ModelError (one line) for a grid it cannot take; None where an operator has no meta kernel."""
+    model = on_meta(lambda: build_model(cfg.model)).eval()
+    try:
+        with torch.no_grad():
+            return tuple(model(torch.empty((1, *shape), device="meta")).shape[1:])
+    except NotImplementedError:
+        return None  # the first real forward will tell
+    except Exception as error:  # noqa: BLE001 -- any model's own complaint about the shape
+        grid = "x".join(map(str, shape[1:]))
+        raise ModelError(f"the model of this checkpoint ({cfg.model.model_class}) cannot take a {grid} grid of "
+                         f"{shape[0]} channels: {str(error).splitlines()[0][:200]}") from None

@@ -1,0 +1,83 @@
+"""Whole fields and boxes of any size on one device: overlapping tiles, each through the model, stitched with a blend.
+
+Along each axis, tiles of ``tile`` cells start every ``tile - overlap`` cells; the last one ends at the field's edge
+(it overlaps its neighbour by more where the field is not a whole number of strides). In the output (the input's
+size times the model's scale: SwinIR's upscale, 1 for the U-Net) each tile's values are weighted by a ramp that
+rises linearly across the cells it shares with a neighbour and is 1 elsewhere, including the field's own edges,
+and the weighted sum is divided by the summed weights. A tile's values are worst at its cut edges (the model sees
+padding there, not the field beyond), which is where the ramp gives them the least weight; what remains is the
+seam error, measured against the untiled field by benchmarks/seam_error.py (docs/part1-swinir.md, "Use the model").
+
+A field no larger than one tile is one tile: exactly the untiled prediction.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Sequence
+
+import torch
+
+DEFAULT_OVERLAP = 16
+"""Input cells shared by neighbouring tiles unless --overlap says otherwise (the seam-error table's choice)."""
+
+
+def tile_spans(length: int, tile: int, overlap: int) -> list[tuple[int, int]]:
+    """(first cell, cells) of each tile along an axis of ``length`` cells: starts every ``tile - overlap`` cells,
+    the last tile cut short at the field's edge (one tile of the whole axis if it fits)."""
+    if tile >= length:
+        return [(0, length)]
+    if not 0 <= overlap < tile:
+        raise ValueError(f"overlap {overlap} must be at least 0 and smaller than the tile, {tile}")
+    spans = []
+    for start in range(0, length, tile - overlap):
+        spans.append((start, min(tile, length - start)))
+        if start + tile >= length:
+            return spans
+    return spans
+
+
+def ramp(size: int, overlap: int, cut_before: bool, cut_after: bool) -> torch.Tensor:
+    """Blend weights along one axis of a tile of ``size`` output cells. At an edge the tile shares with a neighbour
+    (``cut_before``, ``cut_after``: ``overlap`` cells shared) the weight is 0 over the quarter of the overlap nearest
+    the cut, where the tile's values are worst, then rises linearly to 1 at the overlap's far quarter; the
+    neighbour's falls as this one rises, so the weights of each shared cell sum to 1."""
+    weights = torch.ones(size)
+    margin = overlap // 4
+    if overlap:
+        distance = torch.arange(size) + 0.5 - margin  # from the quarter of the overlap nearest the cut
+        if cut_before:
+            weights = torch.minimum(weights, (distance / (overlap - 2 * margin)).clamp(min=0))
+        if cut_after:
+            weights = torch.minimum(weights, (distance.flip(0) / (overlap - 2 * margin)).clamp(min=0))
+    return weights
+
+
+def tile_count(shape: Sequence[int], tile: int, overlap: int) -> int:
+    count = 1
+    for length in shape:
+        count *= len(tile_spans(length, tile, overlap))
+    return count
+
+
+def tiled(model: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: int, overlap: int,
+          dims: int) -> torch.Tensor:
+    """``model`` over overlapping tiles of the last ``dims`` axes of ``x`` (batch, channels, *spatial), blended;
+    fp32 (batch, output channels, *spatial x the model's scale), on ``x``'s device."""
+    spatial = x.shape[-dims:]
+    out = total = None
+    for spans in itertools.product(*(tile_spans(length, tile, overlap) for length in spatial)):
+        piece = model(x[(..., *(slice(c, c + s) for c, s in spans))]).float()
+        scale = piece.shape[-1] // spans[-1][1]
+        if out is None:
+            out = torch.zeros(*piece.shape[:-dims], *(n * scale for n in spatial), device=piece.device)
+            total = torch.zeros(*(n * scale for n in spatial), device=piece.device)
+        weight = torch.ones((), device=piece.device)
+        for axis, ((c, s), length) in enumerate(zip(spans, spatial)):
+            shape = [1] * dims
+            shape[axis] = s * scale
+            weight = weight * ramp(s * scale, overlap * scale, c > 0, c + s < length).to(piece.device).view(shape)
+        where = (..., *(slice(c * scale, (c + s) * scale) for c, s in spans))
+        out[where] += piece * weight
+        total[where] += weight
+    return out / total
