@@ -1,12 +1,14 @@
 """Whole fields and boxes of any size on one device: overlapping tiles, each through the model, stitched with a blend.
 
-Along each axis, tiles of ``tile`` cells start every ``tile - overlap`` cells; the last one ends at the field's edge
-(it overlaps its neighbour by more where the field is not a whole number of strides). In the output (the input's
-size times the model's scale: SwinIR's upscale, 1 for the U-Net) each tile's values are weighted by a ramp that
-rises linearly across the cells it shares with a neighbour and is 1 elsewhere, including the field's own edges,
-and the weighted sum is divided by the summed weights. A tile's values are worst at its cut edges (the model sees
-padding there, not the field beyond), which is where the ramp gives them the least weight; what remains is the
-seam error, measured against the untiled field by benchmarks/seam_error.py (docs/part1-swinir.md, "Use the model").
+Along each axis, tiles of ``tile`` cells start every ``tile - overlap`` cells; the last one, cut short, ends at the
+field's edge. With the tile and the overlap multiples of the model's grid (SwinIR's window, the U-Net's 2**levels),
+every tile sees its windows or pooling cells where the whole field has them, and a cut-short last tile is padded
+by the model as the whole field is. In the output (the input's size times the model's scale: SwinIR's upscale, 1
+for the U-Net) each tile's values are weighted by :func:`ramp` (0 near a cut, 1 beyond the overlap and at the
+field's own edges) and the weighted sum is divided by the summed weights. A tile's values are worst at its cut
+edges (the model sees padding there, not the field beyond), where the ramp gives them no weight; what remains is
+the seam error, measured against the untiled field by benchmarks/seam_error.py (docs/part1-swinir.md, "Use the
+model").
 
 A field no larger than one tile is one tile: exactly the untiled prediction.
 """
@@ -18,7 +20,7 @@ from typing import Callable, Sequence
 
 import torch
 
-DEFAULT_OVERLAP = 16
+DEFAULT_OVERLAP = 24
 """Input cells shared by neighbouring tiles unless --overlap says otherwise (the seam-error table's choice)."""
 
 
@@ -39,17 +41,18 @@ def tile_spans(length: int, tile: int, overlap: int) -> list[tuple[int, int]]:
 
 def ramp(size: int, overlap: int, cut_before: bool, cut_after: bool) -> torch.Tensor:
     """Blend weights along one axis of a tile of ``size`` output cells. At an edge the tile shares with a neighbour
-    (``cut_before``, ``cut_after``: ``overlap`` cells shared) the weight is 0 over the quarter of the overlap nearest
-    the cut, where the tile's values are worst, then rises linearly to 1 at the overlap's far quarter; the
-    neighbour's falls as this one rises, so the weights of each shared cell sum to 1."""
+    (``cut_before``, ``cut_after``: ``overlap`` cells shared) the weight is 0 over the 3/8 of the overlap nearest the
+    cut, where the tile's values are worst, then rises linearly across the middle quarter to 1; the neighbour's
+    falls as this one rises, so the weights of each shared cell sum to 1 (benchmarks/seam_error.py: a ramp across
+    the whole overlap, or across its middle half, leaves several times the error at the same overlap)."""
     weights = torch.ones(size)
-    margin = overlap // 4
+    margin = 3 * overlap // 8
     if overlap:
-        distance = torch.arange(size) + 0.5 - margin  # from the quarter of the overlap nearest the cut
+        distance = torch.arange(size) + 0.5 - margin  # from the end of the margin nearest the cut
         if cut_before:
-            weights = torch.minimum(weights, (distance / (overlap - 2 * margin)).clamp(min=0))
+            weights = torch.minimum(weights, (distance / max(overlap - 2 * margin, 1)).clamp(min=0))
         if cut_after:
-            weights = torch.minimum(weights, (distance.flip(0) / (overlap - 2 * margin)).clamp(min=0))
+            weights = torch.minimum(weights, (distance.flip(0) / max(overlap - 2 * margin, 1)).clamp(min=0))
     return weights
 
 
