@@ -51,19 +51,14 @@ from utils.predict.inputs import ASSUMED_HOURS, Boxes, CoarseFields, Inputs, Spl
 from utils.predict.store import Layout, Store, channel_values, output_format, xarray
 from utils.predict.tiles import DEFAULT_OVERLAP, tile_spans, tiled
 from utils.stopping import EXIT_STOPPED, StopRequest, heartbeat, stop_watching
-from utils.training import configure_backends, pick_device, run_cli, show_progress
+from utils.training import OneLineParser, configure_backends, pick_device, run_cli, show_progress
 
 TASKS = ("sr", "forecast", "volume")
 DEFAULT_STEPS = 4
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, like every other error of the project's commands
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = _Parser(prog="predict.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="predict.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True,
                         help="a run folder (its newest checkpoint), a step_N.pt file, a DCP step_N folder, or bare "
                              "weights (with --config)")
@@ -277,7 +272,7 @@ def main(argv=None) -> int:
         resumed = f", {sum(len(units[u]) for u in done)} written before" if done else ""
         what = f"{steps} steps of {layout.leads[0] / np.timedelta64(1, 'h'):g} h from each " if steps else ""
         print(f"predict: {cfg.data.task} with {saved.path} (step {saved.step}) on {device}: {what}{len(chosen)} of "
-              f"{len(inputs)} {inputs.dim}s{resumed}, {world} rank{'s' if world > 1 else ''}", flush=True)
+              f"{len(inputs)} {inputs.plural}{resumed}, {world} rank{'s' if world > 1 else ''}", flush=True)
 
     cfg.train.run_dir, cfg.train.ckpt_every_minutes, cfg.dist.dist_timeout_s = str(store.progress), 0.0, args.dist_timeout_s
     stop = StopRequest(cfg)  # SIGTERM / SIGUSR1: every rank stops after the same batch
@@ -316,8 +311,8 @@ def main(argv=None) -> int:
     if rank == 0:
         out = store.finish(len(units))
         elapsed = time.perf_counter() - started
-        print(f"wrote {out}: {len(chosen)} {inputs.dim}s of {', '.join(layout.variables)} "
-              f"({todo / max(elapsed, 1e-9):.2f} {inputs.dim}s/s)", flush=True)
+        print(f"wrote {out}: {len(chosen)} {inputs.plural} of {', '.join(layout.variables)} "
+              f"({todo / max(elapsed, 1e-9):.2f} {inputs.plural}/s)", flush=True)
         picture = Path(args.picture) if args.picture and args.picture != "none" else out.with_suffix(".png")
         if args.picture != "none" and save_picture(picture, cfg, inputs, chosen[0], out, steps):
             print(f"picture of {inputs.dim} {np.asarray(inputs.coords)[chosen[0]]}: {picture}", flush=True)

@@ -40,7 +40,7 @@ from utils.observe.logger import json_safe
 from utils.precision import autocast
 from utils.predict.checkpoints import config_from_checkpoint, load_model, read_checkpoint
 from utils.tasks import Forecast, build_task
-from utils.training import configure_backends, pick_device, run_cli
+from utils.training import OneLineParser, configure_backends, pick_device, run_cli
 
 HOURS_ATTR = "hours_per_step"  # optional attribute of ``fields`` (the synthetic generator writes it)
 ASSUMED_HOURS = 6.0  # NERSC's ERA5 spacing
@@ -49,13 +49,8 @@ METRICS = ("rmse", "acc", "persistence_rmse", "persistence_acc", "climatology_rm
 CURVES = (("", "model", "o-"), ("persistence_", "persistence", "s--"), ("climatology_", "climatology", "^:"))
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, like every other error of the project's commands
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = _Parser(prog="rollout.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="rollout.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True,
                         help="a run folder (its latest checkpoint), a step_N.pt file or a train_fsdp.py step_N folder")
     parser.add_argument("--steps", type=int, default=8, help="model steps K to roll forward (default: 8)")

@@ -45,7 +45,7 @@ def hours_to_delta(hours) -> np.ndarray:
 class Inputs:
     """Items the model predicts one by one (a time, a box), with their coordinate and the output's grid."""
 
-    dim = "time"
+    dim, plural = "time", "times"
     coords: np.ndarray  # one value per item: datetime64, or the item's index
     notes: list[str]  # what had to be assumed, said in the output's attributes and on the console
     units: Optional[list] = None  # of the output's channels, where the data states them
@@ -164,7 +164,7 @@ class CoarseFields(Inputs):
 class Boxes(Inputs):
     """Volumes of SC22's layout, one per file: the whole ``Nbody`` box in, ``Hydro`` as the truth if present."""
 
-    dim = "box"
+    dim, plural = "box", "boxes"
 
     def __init__(self, paths: Sequence[Path], in_chans: int):
         self.files = [describe_volume(p) for p in paths]
