@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -39,6 +40,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from datasets.foreign import ForeignDataError, open_fields, parse_rename
+from utils.checkpoint import reporting_write_failures
 from utils.config import ConfigError
 from utils.data.common import DataError
 from utils.data.volume import split_path
@@ -284,21 +286,39 @@ def main(argv=None) -> int:
     todo = sum(len(units[u]) for u in range(len(units)) if u not in done)
     bar = tqdm(total=todo, disable=rank != 0 or not show_progress(args.progress), unit=inputs.dim)
     started = time.perf_counter()
-    for r in range(rounds):
-        asked, _ = stop.agreed()
-        if asked:
-            break
-        written = 0
-        if r < len(mine):
-            unit = mine[r]
-            values = predictor(torch.stack([inputs.read(i) for i in units[unit]])).numpy()
-            store.write(layout.region(values), inputs.dim, chosen.index(units[unit][0]), unit)
-            written = len(units[unit])
-        if world > 1:
-            count = torch.tensor([written])
-            dist.all_reduce(count)
-            written = int(count)
-        bar.update(written)
+
+    def read(unit: int) -> torch.Tensor:
+        return torch.stack([inputs.read(i) for i in units[unit]])
+
+    def write(values: np.ndarray, unit: int) -> None:
+        with reporting_write_failures("prediction", store.partial, hint="free space and run the same command again "
+                                      "to continue"):
+            store.write(layout.region(values), chosen.index(units[unit][0]), unit)
+
+    # Reading the next batch and writing the last one overlap the prediction: one thread each, one batch ahead.
+    with ThreadPoolExecutor(1) as reader, ThreadPoolExecutor(1) as writer:
+        batch = reader.submit(read, mine[0]) if mine else None
+        written_unit = None
+        for r in range(rounds):
+            asked, _ = stop.agreed()
+            if asked:
+                break
+            written = 0
+            if r < len(mine):
+                x = batch.result()
+                batch = reader.submit(read, mine[r + 1]) if r + 1 < len(mine) else None
+                values = predictor(x).numpy()
+                if written_unit is not None:
+                    written_unit.result()
+                written_unit = writer.submit(write, values, mine[r])
+                written = len(units[mine[r]])
+            if world > 1:
+                count = torch.tensor([written])
+                dist.all_reduce(count)
+                written = int(count)
+            bar.update(written)
+        if written_unit is not None:
+            written_unit.result()  # recorded as done only once written
     bar.close()
     stop_watching()
     if stop.signal:

@@ -205,7 +205,7 @@ def _stop_on_unit(units: int):
         write(self, *args)
         calls.append(1)
         if len(calls) == units:
-            os.kill(os.getpid(), signal.SIGTERM)  # handled by predict.py's StopRequest: it stops after this batch
+            os.kill(os.getpid(), signal.SIGTERM)  # handled by predict.py's StopRequest: it stops at the next batch
     return mock.patch.object(Store, "write", write_then_stop)
 
 
@@ -235,8 +235,9 @@ def test_stopped_killed_and_finished_equals_uninterrupted_and_two_ranks_equal_on
         finally:
             torch.set_num_threads(threads)
     assert "stopped by SIGTERM" in capsys.readouterr().out and not out.exists()
-    assert len(list(progress.glob("unit_*"))) == 3
-    assert _kill_after([*common, "--out", str(out), "--progress", "never"], progress, 6) == -signal.SIGKILL
+    stopped_at = len(list(progress.glob("unit_*")))  # the unit in flight when the signal came is finished too
+    assert 3 <= stopped_at <= 5
+    assert _kill_after([*common, "--out", str(out), "--progress", "never"], progress, stopped_at + 2) == -signal.SIGKILL
     assert not out.exists()
     assert "written before" in run_predict(capsys, *common, "--out", str(out))
     expected = store_bytes(tmp_path / "once.zarr")

@@ -12,7 +12,7 @@ one item (time or box) each, so that a region of items is whole chunks.
 Writing: rank 0 creates the store under a temporary name beside the output (``.<name>.partial``): its metadata
 and coordinates, every data chunk unwritten (zarr stores no chunk that holds only the fill value: what xarray's
 ``compute=False`` does with dask, which this project does not need). Then each rank writes its own units (a batch
-of consecutive items) as regions (``to_zarr(region=...)``), and after each records the unit as done in
+of consecutive items) as regions of whole chunks (:meth:`Store.write`), and after each records the unit as done in
 ``.<name>.progress/`` beside it (a unit killed half-way is not recorded, and is written again, whole, by the next run). A run
 started again with the same request continues with the units not done; one with another request is refused.
 When every unit is done rank 0 renames the store to the output's name (a netCDF output is written from the store
@@ -48,6 +48,13 @@ def xarray():
     except ImportError:
         raise DataError(f"writing netCDF or Zarr needs xarray and zarr: {INSTALL_DATA}") from None
     return xr
+
+
+def zarr_module():
+    xarray()  # the same requirement, said the same way
+    import zarr  # optional, with xarray: requirements-data.txt
+
+    return zarr
 
 
 # ----------------------------------------------------------------------------------------- names
@@ -131,24 +138,21 @@ class Layout:
             encoding["prediction_timedelta"] = {"units": "hours", "dtype": "float64"}
         return ds, encoding
 
-    def region(self, values: np.ndarray):
-        """The Dataset of the data variables for items given as ``values`` (items, [leads], channels, *grid)."""
-        xr = xarray()
-        lead_axis = 1 if self.leads is not None else 0
+    def region(self, values: np.ndarray) -> dict[str, np.ndarray]:
+        """Each data variable's values for items given as ``values`` (items, [leads], channels, *grid)."""
+        channel_axis = 2 if self.leads is not None else 1
         variables = {}
         for name, entries in self.variables.items():
-            channel_axis = 1 + lead_axis
             if entries[0][1] is None:
-                data = np.take(values, entries[0][0], axis=channel_axis)
-            else:
-                shape = list(values.shape)
-                shape[channel_axis] = len(self.levels)
-                data = np.full(shape, np.nan, dtype=np.float32)
-                for index, level in entries:
-                    at = int(np.flatnonzero(self.levels == level)[0])
-                    data[(slice(None),) * channel_axis + (at,)] = np.take(values, index, axis=channel_axis)
-            variables[name] = xr.Variable(self.dims(name), data)
-        return xr.Dataset(variables)
+                variables[name] = np.take(values, entries[0][0], axis=channel_axis)
+                continue
+            shape = list(values.shape)
+            shape[channel_axis] = len(self.levels)
+            data = variables[name] = np.full(shape, np.nan, dtype=np.float32)
+            for index, level in entries:
+                at = int(np.flatnonzero(self.levels == level)[0])
+                data[(slice(None),) * channel_axis + (at,)] = np.take(values, index, axis=channel_axis)
+        return variables
 
 
 def channel_values(ds, channels: Sequence[str]) -> np.ndarray:
@@ -180,6 +184,7 @@ class Store:
         self.partial = self.out.with_name(f".{self.out.name}.partial")
         self.progress = self.out.with_name(f".{self.out.name}.progress")
         self.request = json.loads(json.dumps(request))  # as it reads back from the file
+        self._group = None
 
     def prepare(self, make_template: Callable[[], tuple], units: int) -> list[int]:
         """On every rank: the units already done. Rank 0 refuses an output in use or a partial store of another
@@ -219,10 +224,14 @@ class Store:
             temporary.write_text(json.dumps(self.request, indent=1, sort_keys=True))
         return None
 
-    def write(self, dataset, item_dim: str, first: int, unit: int) -> None:
-        """Items ``first`` on of ``dataset`` (a region of whole chunks), then unit ``unit`` recorded as done."""
-        dataset.to_zarr(self.partial, region={item_dim: slice(first, first + dataset.sizes[item_dim])},
-                        zarr_format=2, consolidated=False)
+    def write(self, variables: dict[str, np.ndarray], first: int, unit: int) -> None:
+        """Items ``first`` on of each variable (a region of whole chunks), then unit ``unit`` recorded as done.
+        Straight into the arrays xarray created, as xarray's ``to_zarr(region=...)`` would, without its checks of
+        the whole store at every call (tens of milliseconds each)."""
+        if self._group is None:
+            self._group = zarr_module().open_group(str(self.partial), mode="r+", zarr_format=2)
+        for name, data in variables.items():
+            self._group[name][first:first + len(data)] = data
         (self.progress / f"unit_{unit:06d}").touch()
 
     def finish(self, units: int) -> Path:
