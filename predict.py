@@ -49,7 +49,8 @@ from utils.observe.scores import bicubic_upsample
 from utils.parallel.distributed import barrier, cleanup_distributed, init_distributed, read_dist_env
 from utils.precision import AMP_DTYPES, autocast
 from utils.predict.checkpoints import config_from_checkpoint, load_model, output_shape, read_checkpoint
-from utils.predict.inputs import ASSUMED_HOURS, Boxes, CoarseFields, Inputs, SplitFields, hours_to_delta, select
+from utils.predict.inputs import (ASSUMED_HOURS, Boxes, CoarseFields, Inputs, SplitFields, hours_to_delta, select,
+                                  shown)
 from utils.predict.store import Layout, Store, channel_values, output_format, xarray
 from utils.predict.tiles import DEFAULT_OVERLAP, tile_spans, tiled
 from utils.stopping import EXIT_STOPPED, StopRequest, heartbeat, stop_watching
@@ -123,8 +124,9 @@ def open_inputs(cfg, args) -> Inputs:
         return SplitFields(data_dir / split, cfg.model.in_chans, upscale=cfg.model.upscale)
     try:  # the reading rules of datasets/convert.py: names, axes, units, orientation
         fields = open_fields(args.input, cfg.data.channel_names, parse_rename(args.rename) if args.rename else None)
-    except ForeignDataError as error:
-        raise DataError(str(error)) from None
+    except ForeignDataError as error:  # a model cannot do without a channel, as a conversion can
+        needs = f"the model takes {', '.join(cfg.data.channel_names)}"
+        raise DataError(str(error).replace(" or drop the channel", f"; {needs}")) from None
     return CoarseFields(fields, args.input)
 
 
@@ -335,7 +337,7 @@ def main(argv=None) -> int:
               f"({todo / max(elapsed, 1e-9):.2f} {inputs.plural}/s)", flush=True)
         picture = Path(args.picture) if args.picture and args.picture != "none" else out.with_suffix(".png")
         if args.picture != "none" and save_picture(picture, cfg, inputs, chosen[0], out, steps):
-            print(f"picture of {inputs.dim} {np.asarray(inputs.coords)[chosen[0]]}: {picture}", flush=True)
+            print(f"picture of {inputs.dim} {shown(np.asarray(inputs.coords)[chosen[0]])}: {picture}", flush=True)
     barrier()
     cleanup_distributed()
     return 0

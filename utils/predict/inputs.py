@@ -216,8 +216,8 @@ def select(coords: np.ndarray, spec: Optional[str]) -> list[int]:
             raise DataError(f"--times {part}: the inputs record no dates (their items are numbered 0 to "
                             f"{len(coords) - 1}): give indices, e.g. --times 0:8 or --times 0,4")
         if not picked:
-            raise DataError(f"--times {part}: chooses none of the {len(coords)} items (from {_shown(coords[0])} to "
-                            f"{_shown(coords[-1])})")
+            raise DataError(f"--times {part}: chooses none of the {len(coords)} items (from {shown(coords[0])} to "
+                            f"{shown(coords[-1])})")
         chosen += [i for i in picked if i not in chosen]
     return sorted(chosen)
 
@@ -249,5 +249,6 @@ def _day_end(text: str, end: np.datetime64) -> np.datetime64:
     return (np.datetime64(text, unit) + np.timedelta64(1, unit)).astype("datetime64[ns]") - np.timedelta64(1, "ns")
 
 
-def _shown(value) -> str:
+def shown(value) -> str:
+    """An item's coordinate as said on the console: 2015-01-03T06:00, 2015-01-01, or the index."""
     return str(np.datetime64(value, "m")).replace("T00:00", "") if isinstance(value, np.datetime64) else str(value)
