@@ -201,7 +201,7 @@ def layout_for(cfg, inputs: Inputs, out_shape, scale: int, steps: Optional[int])
 
 def describe(cfg, saved, args, inputs: Inputs, chosen: list[int], steps: Optional[int]) -> tuple[dict, dict, dict]:
     """(the store's attributes, its item coordinate's attributes, the request a resumed run must repeat)."""
-    source = ", ".join(args.input) if args.input else str(Path(cfg.data.data_dir) / (args.split or cfg.data.valid_split))
+    source = inputs.source
     attrs = {"Conventions": "CF-1.8", "title": f"predictions of a {cfg.model.model} model, task {cfg.data.task}",
              "source": f"predict.py: checkpoint {saved.path} (step {saved.step}), config {cfg.name}, model_class "
                        f"{cfg.model.model_class}", "inputs": source, "task": cfg.data.task,
@@ -234,7 +234,7 @@ def save_picture(path: Path, cfg, inputs: Inputs, first: int, out: Path, steps: 
         shown = [names.index(n) for n in cfg.data.key_channels[:2]] or None
         save_forecast_png(path, x, truth, pred[0], names, channels=shown)
     else:
-        save_volume_png(path, x, pred, truth, [f"input {c}" for c in range(x.shape[0])], names)
+        save_volume_png(path, x, pred, truth, getattr(inputs, "input_names", None), names)
     return True
 
 
@@ -276,7 +276,7 @@ def main(argv=None) -> int:
         resumed = f", {sum(len(units[u]) for u in done)} written before" if done else ""
         what = f"{steps} steps of {layout.leads[0] / np.timedelta64(1, 'h'):g} h from each " if steps else ""
         print(f"predict: {cfg.data.task} with {saved.path} (step {saved.step}) on {device}: {what}{len(chosen)} of "
-              f"{len(inputs)} {inputs.plural}{resumed}, {world} rank{'s' if world > 1 else ''}", flush=True)
+              f"{inputs.count(len(inputs))}{resumed}, {world} rank{'s' if world > 1 else ''}", flush=True)
 
     cfg.train.run_dir, cfg.train.ckpt_every_minutes, cfg.dist.dist_timeout_s = str(store.progress), 0.0, args.dist_timeout_s
     stop = StopRequest(cfg)  # SIGTERM / SIGUSR1: every rank stops after the same batch
@@ -333,7 +333,7 @@ def main(argv=None) -> int:
     if rank == 0:
         out = store.finish(len(units))
         elapsed = time.perf_counter() - started
-        print(f"wrote {out}: {len(chosen)} {inputs.plural} of {', '.join(layout.variables)} "
+        print(f"wrote {out}: {inputs.count(len(chosen))} of {', '.join(layout.variables)} "
               f"({todo / max(elapsed, 1e-9):.2f} {inputs.plural}/s)", flush=True)
         picture = Path(args.picture) if args.picture and args.picture != "none" else out.with_suffix(".png")
         if args.picture != "none" and save_picture(picture, cfg, inputs, chosen[0], out, steps):

@@ -46,12 +46,17 @@ class Inputs:
     """Items the model predicts one by one (a time, a box), with their coordinate and the output's grid."""
 
     dim, plural = "time", "times"
+    source: str  # what was read, for the output's attributes
     coords: np.ndarray  # one value per item: datetime64, or the item's index
     notes: list[str]  # what had to be assumed, said in the output's attributes and on the console
     units: Optional[list] = None  # of the output's channels, where the data states them
 
     def __len__(self) -> int:
         return len(self.coords)
+
+    def count(self, n: int) -> str:
+        """"1 time", "8 times"."""
+        return f"{n} {self.dim if n == 1 else self.plural}"
 
     def read(self, index: int) -> torch.Tensor:
         """The model's input for item ``index``: (channels, *spatial), float32."""
@@ -80,6 +85,7 @@ class SplitFields(Inputs):
     def __init__(self, split_dir, channels: int, upscale: int, lead: int = 1):
         self.upscale, self.lead = upscale, lead  # upscale 1: the fields themselves are the input
         self.dataset = ERA5Dataset(split_dir, task="sr", upscale=upscale, crop_size=0, train=False, channels=channels)
+        self.source = str(split_dir)
         self.files = self.dataset.files
         self.places = [(f, day) for f, file in enumerate(self.files) for day in range(file.days)]
         self.notes = []
@@ -140,7 +146,7 @@ class CoarseFields(Inputs):
     """Coarse fields of another centre (an xarray DataArray from datasets/foreign.py's ``open_fields``)."""
 
     def __init__(self, fields, sources: Sequence[str]):
-        self.fields, self.sources = fields, list(sources)
+        self.fields, self.source = fields, ", ".join(map(str, sources))
         self.coords = np.asarray(fields["time"].values)
         self.notes = []
         self.units = list(fields.attrs.get("units") or []) or None
@@ -175,6 +181,8 @@ class Boxes(Inputs):
             if file.channels[INPUT_KEY] != in_chans:
                 raise DataError(f"{file.path}: '{INPUT_KEY}' has {file.channels[INPUT_KEY]} channels, the model "
                                 f"takes {in_chans}")
+        self.source = ", ".join(str(f.path) for f in self.files)
+        self.input_names = list(self.files[0].names[INPUT_KEY] or (f"input {c}" for c in range(in_chans)))
         self.coords = np.arange(len(self.files))
         self.notes = ["box: one per input file, in the order given; values scaled as the training data stores them"]
         self.units = ["1"] * self.files[0].channels[TARGET_KEY]

@@ -43,8 +43,8 @@ def ramp(size: int, overlap: int, cut_before: bool, cut_after: bool) -> torch.Te
     """Blend weights along one axis of a tile of ``size`` output cells. At an edge the tile shares with a neighbour
     (``cut_before``, ``cut_after``: ``overlap`` cells shared) the weight is 0 over the 3/8 of the overlap nearest the
     cut, where the tile's values are worst, then rises linearly across the middle quarter to 1; the neighbour's
-    falls as this one rises, so the weights of each shared cell sum to 1 (benchmarks/seam_error.py: a ramp across
-    the whole overlap, or across its middle half, leaves several times the error at the same overlap)."""
+    falls as this one rises, so the weights of each shared cell sum to 1. (A ramp across the whole overlap gives the
+    cut edges weight: a thousand times the seam error at overlap 24, docs/part1-swinir.md.)"""
     weights = torch.ones(size)
     margin = 3 * overlap // 8
     if overlap:
