@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -32,31 +31,26 @@ import h5py
 import torch
 from torch.utils.data import Subset
 
-from models import build_model, fixed_input_size
-from utils.checkpoint import (CheckpointError, ensure_writable_dir, latest_checkpoint, load_checkpoint,
-                              replaced_atomically, reporting_write_failures)
-from utils.config import Config, ConfigError, build_config, load_named_configs
+from models import fixed_input_size
+from utils.checkpoint import ensure_writable_dir, replaced_atomically, reporting_write_failures
+from utils.config import Config, ConfigError
 from utils.data.common import DataError, evenly_spaced
 from utils.data.era5 import FIELDS_KEY, ERA5Dataset, scan_split
 from utils.observe.logger import json_safe
 from utils.precision import autocast
+from utils.predict.checkpoints import config_from_checkpoint, load_model, read_checkpoint
 from utils.tasks import Forecast, build_task
-from utils.training import configure_backends, pick_device, run_cli
+from utils.training import OneLineParser, configure_backends, pick_device, run_cli
 
 HOURS_ATTR = "hours_per_step"  # optional attribute of ``fields`` (the synthetic generator writes it)
 ASSUMED_HOURS = 6.0  # NERSC's ERA5 spacing
-DCP_METADATA = ".metadata"  # what marks a train_fsdp.py checkpoint folder (utils/parallel/fsdp.py)
+FORECASTER = "rollout needs a forecaster (task forecast, Part II's ViT)"
 METRICS = ("rmse", "acc", "persistence_rmse", "persistence_acc", "climatology_rmse", "climatology_acc")
 CURVES = (("", "model", "o-"), ("persistence_", "persistence", "s--"), ("climatology_", "climatology", "^:"))
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, like every other error of the project's commands
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = _Parser(prog="rollout.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="rollout.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True,
                         help="a run folder (its latest checkpoint), a step_N.pt file or a train_fsdp.py step_N folder")
     parser.add_argument("--steps", type=int, default=8, help="model steps K to roll forward (default: 8)")
@@ -66,73 +60,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if available")
     parser.add_argument("--out", default=None, help="output folder (default: <run_dir>/rollout)")
     return parser.parse_args(argv)
-
-
-# ----------------------------------------------------------------------------------- checkpoint
-
-
-def find_checkpoint(path) -> tuple[Path, Path]:
-    """(checkpoint, run_dir) for a run folder, its checkpoints/ folder, a .pt file or a DCP step folder."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"no such checkpoint: {path}; pass a run folder, a step_N.pt file or a "
-                              "train_fsdp.py step_N folder")
-    checkpoint = path
-    if path.is_dir() and not (path / DCP_METADATA).is_file():
-        folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-        checkpoint = latest_checkpoint(folder)
-        if checkpoint is None:
-            from utils.parallel.fsdp import latest_sharded_checkpoint
-
-            checkpoint = latest_sharded_checkpoint(folder)
-        if checkpoint is None:
-            raise CheckpointError(f"{folder}: no checkpoint (step_N.pt or step_N/); train first, or pass a "
-                                  "checkpoint file")
-    run_dir = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
-    return checkpoint, run_dir
-
-
-def load_payload(checkpoint: Path) -> dict:
-    """The checkpoint in train.py's layout; a DCP folder is exported to a temporary file first."""
-    if not checkpoint.is_dir():
-        return load_checkpoint(checkpoint)
-    from utils.parallel.fsdp import export_full_state_dict
-
-    with tempfile.TemporaryDirectory(prefix="rollout-") as folder:
-        return load_checkpoint(export_full_state_dict(checkpoint, Path(folder) / "checkpoint.pt"))
-
-
-def config_from_checkpoint(payload: dict, checkpoint: Path, overrides: dict) -> Config:
-    """The run's config: its named config with every recorded key as an override (mean, std and
-    channel names are recorded already resolved from the data)."""
-    flat = payload.get("config")
-    if not isinstance(flat, dict) or "config" not in flat or not isinstance(payload.get("model"), dict):
-        raise CheckpointError(f"checkpoint {checkpoint} records no config or model weights: pass one written by "
-                              "train.py, train_ddp.py or train_fsdp.py")
-    values = {**flat, **overrides}
-    name = values.pop("config")
-    # A run of --config_file names a config this folder lacks; every key is recorded, so any named base does.
-    base = name if name in load_named_configs() else next(iter(load_named_configs()))
-    try:
-        cfg = build_config(base, values)
-    except ConfigError as error:
-        raise ConfigError(f"checkpoint {checkpoint}: its config does not build with this code ({error})") from None
-    cfg.name = name
-    if cfg.data.task != "forecast":
-        raise ConfigError(f"checkpoint {checkpoint} is a {cfg.model.model} model for task {cfg.data.task!r} "
-                          f"(config {name}); rollout needs a forecaster (task forecast, Part II's ViT)")
-    return cfg
-
-
-def load_model(cfg: Config, payload: dict, checkpoint: Path, device: torch.device) -> torch.nn.Module:
-    model = build_model(cfg.model)
-    try:
-        model.load_state_dict(payload["model"])  # strict: a partial load would score random weights
-    except RuntimeError as error:
-        reason = " ".join(str(error).split())[:300]
-        raise CheckpointError(f"checkpoint {checkpoint}: its weights do not fit the model its config describes "
-                              f"({reason})") from None
-    return model.to(device).eval()
 
 
 # ----------------------------------------------------------------------------------------- data
@@ -232,10 +159,10 @@ def main(argv=None) -> int:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
     if args.samples < 0:
         raise ConfigError(f"--samples must be >= 0 (0 = every usable start time), got {args.samples}")
-    checkpoint, run_dir = find_checkpoint(args.checkpoint)
-    payload = load_payload(checkpoint)
+    saved = read_checkpoint(args.checkpoint)
+    checkpoint, run_dir = saved.path, saved.run_dir
     overrides = {"data_dir": args.data_dir} if args.data_dir else {}
-    cfg = config_from_checkpoint(payload, checkpoint, overrides)
+    cfg = config_from_checkpoint(saved, overrides, ("forecast",), FORECASTER)
     if args.split:
         cfg.data.valid_split = args.split  # build_task reads the latitudes and the climatology's grid from it
     split_dir = Path(cfg.data.data_dir) / cfg.data.valid_split
@@ -247,8 +174,8 @@ def main(argv=None) -> int:
     chosen = evenly_spaced(dataset, args.samples)
     starts = list(chosen.indices) if isinstance(chosen, Subset) else list(range(len(dataset)))
     configure_backends(cfg)
-    model = load_model(cfg, payload, checkpoint, device)
-    step = int(payload.get("train_state", {}).get("step", -1))
+    model = load_model(cfg, saved, device)
+    step = saved.step
     hours = hours_per_step(dataset)
     assumed = hours is None
     hours = ASSUMED_HOURS if assumed else hours

@@ -179,6 +179,35 @@ def weights_at(run_dir: Path, step: int) -> dict:
     return load_checkpoint(run_dir / "checkpoints" / f"step_{step:08d}.pt")["model"]
 
 
+def as_dcp_checkpoint(checkpoint: Path, ckpt_dir: Path) -> Path:
+    """The weights and config of a train.py checkpoint saved as train_fsdp.py saves them (FSDP2 on a one-rank
+    process group, a fresh optimizer): the DCP step folder in ``ckpt_dir``, for tests of the tools that read any."""
+    import torch
+    import torch.distributed as dist
+
+    from models import build_model
+    from utils.checkpoint import TrainState
+    from utils.config import build_config
+    from utils.parallel.fsdp import apply_fsdp, save_sharded_checkpoint, sharded_payload
+    from utils.precision import make_grad_scaler
+    from utils.training import build_optimizer
+
+    payload = load_checkpoint(checkpoint)
+    flat = dict(payload["config"])
+    cfg = build_config(flat.pop("config"), flat)
+    cpu, step = torch.device("cpu"), payload["train_state"]["step"]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = build_model(cfg.model)
+        model.load_state_dict(payload["model"])
+        model = apply_fsdp(model, cfg, cpu)
+        optimizer, scheduler = build_optimizer(model, cfg, 1, cpu)
+        return save_sharded_checkpoint(ckpt_dir, step, sharded_payload(
+            model, optimizer, scheduler, make_grad_scaler(cpu, "none"), TrainState(step=step), cfg))
+    finally:
+        dist.destroy_process_group()
+
+
 def resume_from(source: Path, step: int, run_dir: Path) -> Path:
     """A run folder whose only checkpoint is a copy of ``source``'s at ``step``: a train.py/train_ddp.py
     file (step_N.pt) or a train_fsdp.py DCP folder (step_N)."""

@@ -13,11 +13,10 @@ import h5py
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 import rollout
 from models import build_model
-from tests.conftest import read_metrics, run_script
+from tests.conftest import as_dcp_checkpoint, read_metrics, run_script
 from tests.test_forecast import H_STORED, NAMES, W, write_nersc_layout
 from tests.test_train import check_error, expect_error_in_process
 from utils.checkpoint import load_checkpoint
@@ -113,31 +112,12 @@ def test_lead_one_equals_the_validation_record(trained, tmp_path, capsys):
 
 
 def test_hours_from_the_data_and_a_dcp_checkpoint(trained, tmp_path, capsys):
-    from utils.checkpoint import TrainState
-    from utils.parallel.fsdp import apply_fsdp, save_sharded_checkpoint, sharded_payload
-    from utils.precision import make_grad_scaler
-    from utils.training import build_optimizer
-
     root, run = trained
     data = Path(shutil.copytree(root, tmp_path / "data"))
     with h5py.File(data / "valid" / "2001.h5", "a") as f:
         f["fields"].attrs["hours_per_step"] = 3
-
-    # train.py's weights saved as train_fsdp.py does, on a one-rank process group.
-    payload = load_checkpoint(run / "checkpoints" / "step_00000002.pt")
-    flat = dict(payload["config"])
-    cfg = build_config(flat.pop("config"), flat)
-    cpu = torch.device("cpu")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        model = build_model(cfg.model)
-        model.load_state_dict(payload["model"])
-        model = apply_fsdp(model, cfg, cpu)
-        optimizer, scheduler = build_optimizer(model, cfg, 1, cpu)
-        save_sharded_checkpoint(tmp_path / "fsdp" / "checkpoints", 2, sharded_payload(
-            model, optimizer, scheduler, make_grad_scaler(cpu, "none"), TrainState(step=2), cfg))
-    finally:
-        dist.destroy_process_group()
+    # train.py's weights saved as train_fsdp.py does.
+    as_dcp_checkpoint(run / "checkpoints" / "step_00000002.pt", tmp_path / "fsdp" / "checkpoints")
 
     common = ("--steps", "2", "--data_dir", str(data))
     from_dcp, stdout = run_rollout(capsys, tmp_path / "fsdp" / "rollout", "--checkpoint", str(tmp_path / "fsdp"), *common)

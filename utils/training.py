@@ -6,6 +6,7 @@ The training step itself is written out in each script; only the objects it uses
 
 from __future__ import annotations
 
+import argparse
 import functools
 import math
 import multiprocessing
@@ -212,6 +213,14 @@ RANK_ERROR_GRACE_S = 10.0
 """How long a rank other than 0 keeps its error to itself, waiting for the launcher to stop it."""
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer")
 """gloo's words for a collective whose peer process has exited: the error is another rank's consequence."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """The command line of a tool (rollout.py, predict.py): a bad argument is one line and exit code 2, said by rank 0
+    alone under torchrun (every rank parses the same line)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n" if os.environ.get("RANK", "0") == "0" else None)
 
 
 def run_cli(main: Callable[[], Optional[int]]) -> None:

@@ -1,0 +1,172 @@
+"""Any checkpoint the scripts write, as the model it holds, rebuilt from the checkpoint's own config.
+
+- a run folder or its ``checkpoints/`` folder: the newest complete checkpoint of either kind;
+- a ``step_N.pt`` file (train.py, train_ddp.py, an exported DCP folder);
+- a DCP ``step_N`` folder of any layout (train_fsdp.py, train_mp.py's tp/cp, train_pp.py): every layout saves the
+  whole model's parameter names, so DCP reads the full tensors into one plain model, the model entry alone
+  (no optimizer state, no export to a temporary file);
+- weights without a config (the original SwinIR's ``params`` / ``params_ema``, SuperBench's, a bare state
+  dict): the model is described by a named config (``config_name``, from ``config_file`` if given).
+
+A checkpoint of a task the tool does not take is refused in one line (ConfigError) before any weight is read.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+
+from models import ModelError, build_model
+from utils.checkpoint import (DCP_METADATA, CheckpointError, TrainState, damage_in, latest_checkpoint,
+                              load_checkpoint, strip_wrapper_prefixes)
+from utils.config import Config, ConfigError, build_config, load_named_configs
+from utils.observe.flops import on_meta
+from utils.parallel.fsdp import latest_sharded_checkpoint
+
+WEIGHT_KEYS = ("model", "params_ema", "params", "model_state_dict", "state_dict")
+"""Where a file's weights may lie: the scripts' checkpoints, then the original SwinIR's (EMA first), then others."""
+
+
+@dataclass
+class Checkpoint:
+    """What a checkpoint holds, before a model is built: its config (flat, None for bare weights), its training
+    step, and its weights (None for a DCP folder: read straight into the model)."""
+
+    path: Path
+    run_dir: Path
+    config: Optional[dict]
+    step: int
+    weights: Optional[dict]
+
+
+def find_checkpoint(path) -> tuple[Path, Path]:
+    """(checkpoint, run_dir) for a run folder, its checkpoints/ folder, a .pt file or a DCP step folder."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"no such checkpoint: {path}; pass a run folder, a step_N.pt file or a "
+                              "train_fsdp.py step_N folder")
+    checkpoint = path
+    if path.is_dir() and not (path / DCP_METADATA).is_file():
+        folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        checkpoint = latest_checkpoint(folder) or latest_sharded_checkpoint(folder)
+        if checkpoint is None:
+            raise CheckpointError(f"{folder}: no checkpoint (step_N.pt or step_N/); train first, or pass a "
+                                  "checkpoint file")
+    run_dir = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
+    return checkpoint, run_dir
+
+
+def read_checkpoint(path) -> Checkpoint:
+    """The checkpoint at ``path`` (any of the module's kinds); its weights stay on disk for a DCP folder."""
+    checkpoint, run_dir = find_checkpoint(path)
+    if checkpoint.is_dir():
+        saved = {"config": "", "train_state": asdict(TrainState())}
+        _dcp_load(saved, checkpoint)  # two small entries: the weights are read once the model is built
+        return Checkpoint(checkpoint, run_dir, json.loads(saved["config"] or "{}") or None,
+                          int(saved["train_state"]["step"]), None)
+    payload = load_checkpoint(checkpoint)
+    if not isinstance(payload, dict):
+        raise CheckpointError(f"checkpoint {checkpoint} holds a {type(payload).__name__}, not a dict of weights")
+    step = int((payload.get("train_state") or {}).get("step", -1)) if isinstance(payload.get("train_state"), dict) else -1
+    config = payload.get("config") if isinstance(payload.get("config"), dict) and payload["config"] else None
+    weights = next((payload[k] for k in WEIGHT_KEYS if isinstance(payload.get(k), dict)), None)
+    if weights is None and payload and all(isinstance(v, torch.Tensor) for v in payload.values()):
+        weights = payload  # a bare state dict
+    if weights is None:
+        raise CheckpointError(f"checkpoint {checkpoint} holds no model weights (none of {', '.join(WEIGHT_KEYS)}): "
+                              "pass one written by the training scripts, or a state dict")
+    return Checkpoint(checkpoint, run_dir, config, step, weights)
+
+
+def config_from_checkpoint(saved: Checkpoint, overrides: dict, tasks: Sequence[str], need: str,
+                           config_name: Optional[str] = None, config_file: Optional[Path] = None) -> Config:
+    """The run's config: its named config with every recorded key as an override (mean, std and channel names are
+    recorded already resolved from the data); for bare weights, ``config_name``'s (None: the tool takes none). A task not in ``tasks`` is
+    refused with ``need`` (what the tool takes instead)."""
+    if saved.config is None:
+        if config_name is None:
+            raise CheckpointError(f"checkpoint {saved.path} records no config: pass one written by the training "
+                                  "scripts")
+        if not config_name:
+            raise CheckpointError(f"checkpoint {saved.path} records no config (the original SwinIR or SuperBench "
+                                  "weights?): name the config that describes its model with --config NAME "
+                                  "(and --config_file PATH for one of yours)")
+        cfg = build_config(config_name, overrides, path=config_file)
+    else:
+        values = {**saved.config, **overrides}
+        name = values.pop("config")
+        # A run of --config_file names a config this folder lacks; every key is recorded, so any named base does.
+        base = name if name in load_named_configs() else next(iter(load_named_configs()))
+        try:
+            cfg = build_config(base, values)
+        except ConfigError as error:
+            raise ConfigError(f"checkpoint {saved.path}: its config does not build with this code ({error})") from None
+        cfg.name = name
+    if cfg.data.task not in tasks:
+        raise ConfigError(f"checkpoint {saved.path} is a {cfg.model.model} model for task {cfg.data.task!r} "
+                          f"(config {cfg.name}); {need}")
+    return cfg
+
+
+def load_model(cfg: Config, saved: Checkpoint, device: torch.device) -> nn.Module:
+    """The model ``cfg`` describes with the checkpoint's weights, strictly (a partial load would predict with
+    random weights), in eval mode on ``device``."""
+    model = build_model(cfg.model)
+    weights = saved.weights
+    if weights is None:
+        weights = _dcp_model_weights(model, saved.path)
+    try:
+        model.load_state_dict(strip_wrapper_prefixes(weights))
+    except (RuntimeError, ValueError) as error:
+        reason = " ".join(str(error).split())[:300]
+        raise CheckpointError(f"checkpoint {saved.path}: its weights do not fit the model its config describes "
+                              f"({reason})") from None
+    return model.to(device).eval()
+
+
+def _dcp_model_weights(model: nn.Module, folder: Path) -> dict:
+    """The model entry of a DCP folder read into full tensors shaped as ``model``'s. Buffers a layout did not save
+    (rebuilt from the config, as SwinIR's masks) keep the model's own values; a missing parameter is an error."""
+    stored = {key[len("model."):] for key in dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+              if key.startswith("model.")}
+    state = model.state_dict()
+    missing = [name for name, _ in model.named_parameters() if name not in stored]
+    if missing:
+        raise CheckpointError(f"checkpoint {folder}: no weights for {missing[0]} ({len(missing)} parameters in all): "
+                              "it holds another model than its config describes")
+    wanted = {name: tensor for name, tensor in state.items() if name in stored}
+    _dcp_load({"model": wanted}, folder)
+    return {**state, **wanted}
+
+
+def _dcp_load(state: dict, folder: Path) -> None:
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            dcp.load(state, checkpoint_id=str(folder))
+    except (Exception, CheckpointException) as error:  # DCP's is a BaseException
+        reason = damage_in(error) or " ".join(str(error).split())[:200]
+        raise CheckpointError(f"checkpoint {folder} cannot be read ({reason})") from None
+
+
+def output_shape(cfg: Config, shape: Sequence[int]) -> Optional[tuple[int, ...]]:
+    """What the model makes of one input of ``shape`` (channels, *spatial), found on the meta device (no memory, no
+    time); ModelError (one line) for a grid it cannot take; None where an operator has no meta kernel."""
+    model = on_meta(lambda: build_model(cfg.model)).eval()
+    try:
+        with torch.no_grad():
+            return tuple(model(torch.empty((1, *shape), device="meta")).shape[1:])
+    except NotImplementedError:
+        return None  # the first real forward will tell
+    except Exception as error:  # noqa: BLE001 -- any model's own complaint about the shape
+        grid = "x".join(map(str, shape[1:]))
+        raise ModelError(f"the model of this checkpoint ({cfg.model.model_class}) cannot take a {grid} grid of "
+                         f"{shape[0]} channels: {str(error).splitlines()[0][:200]}") from None
