@@ -112,7 +112,7 @@ train-unet: $(VENV)/.installed data-unet
 test: $(VENV)/.installed $(VENV)/.installed-data real-data
 	bash tests/install_slurm.sh
 	$(VENV)/bin/lint-imports --no-logo
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 # The GPU check runs with whatever python holds the GPU's torch (PYTHON=python3: a GPU machine's own, or an activated
 # cluster environment); it makes its own small data and writes $(GPU_CHECK_OUT)/gpu_check.json and .md.

@@ -14,8 +14,9 @@ else, restarts included, is torchrun's. The job scripts (submit_multinode.sh) la
 
 Only SIGUSR1 makes it exit 75, the code after which a job requeues itself. SIGTERM also reaches it when srun
 ends a job step because a task on another node failed: the workers are still asked to checkpoint and stop, but
-it exits 143 (128 + SIGTERM), so that a failed run fails its job instead of being requeued to fail again. A
-SIGTERM the job script was sent (scancel, preemption) is the job script's to act on, whatever this exits.
+it exits 143 (128 + SIGTERM), so that a failed run fails its job instead of being requeued to fail again; after
+a SIGUSR1, a SIGTERM (srun's, once another node's launcher has exited 75) is ignored while the workers stop. A SIGTERM the job script was
+sent (scancel, preemption) is the job script's to act on, whatever this exits.
 """
 
 import os
@@ -31,7 +32,16 @@ SHUTDOWN_TIMEOUT_S = 600
 """How long torchrun waits for its workers to stop before it kills them (torch >= 2.15 reads it)."""
 
 
+_usr1_received = False
+
+
 def _stop(signum, _frame) -> None:
+    global _usr1_received
+    _usr1_received = True
+    # srun sends SIGTERM to the launchers of a step as soon as one of them has exited 75, maybe while this one still
+    # waits for its workers' checkpoint: ignored, it would cut that wait short (torchrun's handler raises again).
+    for other in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(other, signal.SIG_IGN)
     # What torchrun's own handler does for the signals it knows: its agent then stops the workers with this signal.
     raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 
@@ -43,7 +53,7 @@ def main() -> None:
     try:
         torchrun(sys.argv[1:])
     except SignalException as stop:
-        code = EXIT_STOPPED if stop.sigval == signal.SIGUSR1 else 128 + stop.sigval
+        code = EXIT_STOPPED if _usr1_received else 128 + stop.sigval
         print(f"launch.py: {stop.sigval.name}: the workers were asked to checkpoint their step and stop; continue "
               f"with the same command and --resume auto (exit code {code})", file=sys.stderr, flush=True)
         sys.exit(code)

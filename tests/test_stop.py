@@ -97,6 +97,8 @@ def test_a_signal_to_the_whole_launch_stops_torchrun_and_its_workers_with_a_chec
         os.killpg(job.pid, signal.SIGUSR1)
         for pid in workers:
             os.kill(pid, signal.SIGCONT)
+        time.sleep(0.2)  # srun's SIGTERM once another node's launcher has exited 75: the stop goes on, still 75
+        os.kill(job.pid, signal.SIGTERM)
         output, _ = job.communicate(timeout=120)
     finally:
         if job.poll() is None:
