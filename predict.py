@@ -44,6 +44,8 @@ from utils.checkpoint import reporting_write_failures
 from utils.config import ConfigError
 from utils.data.common import DataError
 from utils.data.volume import split_path
+from utils.memory.estimate import GB
+from utils.memory.traced import CannotTrace, trace_inference
 from utils.observe.pictures import save_forecast_png, save_sample_png, save_volume_png
 from utils.observe.scores import bicubic_upsample
 from utils.parallel.distributed import barrier, cleanup_distributed, init_distributed, read_dist_env
@@ -85,6 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--config", default=None, help="bare weights: the named config that describes the model")
     parser.add_argument("--config_file", default=None, help="bare weights: the YAML file that holds --config")
     parser.add_argument("--picture", default=None, help="picture of the first item (default <out>.png; none: no picture)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model (worth it for many items)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if available")
     parser.add_argument("--progress", choices=["auto", "always", "never"], default="auto", help="progress bar")
     parser.add_argument("--dist_timeout_s", type=float, default=300.0,
@@ -152,6 +155,23 @@ def probe(cfg, model, device: torch.device, inputs: Inputs, args) -> tuple[int, 
     if cfg.data.task == "forecast" and (out[0], scale) != (shape[0], 1):
         raise DataError(f"a forecaster's output is fed back as its input, but the model maps {shape} to {out}")
     return scale, (out[0], *(scale * n for n in spatial))
+
+
+def memory_needed(model, device: torch.device, args, input_shape: tuple[int, ...]) -> Optional[int]:
+    """Bytes one batch's forward needs on the device (parameters, the input, the forward's own tensors, tiles and
+    their blend; nothing kept for a backward), traced on fake tensors; None where the model cannot be traced.
+    A GPU without that much memory stops here in one line, before anything is written."""
+    try:
+        need = trace_inference(model, lambda call, x: Predictor(call, torch.device("cpu"), args, None).one_step(x),
+                               input_shape)
+    except CannotTrace as error:
+        print(f"memory: not estimated ({error})", flush=True)
+        return None
+    if device.type == "cuda" and need > torch.cuda.get_device_properties(device).total_memory:
+        total = torch.cuda.get_device_properties(device).total_memory
+        raise DataError(f"one batch needs an estimated {need / GB:.1f} GB and {torch.cuda.get_device_name(device)} has "
+                        f"{total / GB:.1f} GB: predict in tiles (--tile N) or with a smaller --batch_size")
+    return need
 
 
 # ----------------------------------------------------------------------------------------- prediction
@@ -263,6 +283,9 @@ def main(argv=None) -> int:
     configure_backends(cfg)
     model = load_model(cfg, saved, device)
     scale, out_shape = probe(cfg, model, device, inputs, args)
+    need = memory_needed(model, device, args, (args.batch_size, *inputs.read(0).shape))
+    if args.compile:
+        model = torch.compile(model)
     layout = layout_for(cfg, inputs, out_shape, scale, steps)
     attrs, item_attrs, request = describe(cfg, saved, args, inputs, chosen, steps)
 
@@ -277,6 +300,10 @@ def main(argv=None) -> int:
         what = f"{steps} steps of {layout.leads[0] / np.timedelta64(1, 'h'):g} h from each " if steps else ""
         print(f"predict: {cfg.data.task} with {saved.path} (step {saved.step}) on {device}: {what}{len(chosen)} of "
               f"{inputs.count(len(inputs))}{resumed}, {world} rank{'s' if world > 1 else ''}", flush=True)
+        how = f"in {args.tile}-cell tiles" if args.tile else "whole"
+        if need is not None:
+            print(f"memory: {need / GB:.3g} GB estimated for one batch of {inputs.count(args.batch_size)} ({how}), "
+                  "parameters included", flush=True)
 
     cfg.train.run_dir, cfg.train.ckpt_every_minutes, cfg.dist.dist_timeout_s = str(store.progress), 0.0, args.dist_timeout_s
     stop = StopRequest(cfg)  # SIGTERM / SIGUSR1: every rank stops after the same batch
@@ -335,6 +362,9 @@ def main(argv=None) -> int:
         elapsed = time.perf_counter() - started
         print(f"wrote {out}: {inputs.count(len(chosen))} of {', '.join(layout.variables)} "
               f"({todo / max(elapsed, 1e-9):.2f} {inputs.plural}/s)", flush=True)
+        if device.type == "cuda":
+            print(f"memory: {torch.cuda.max_memory_allocated(device) / GB:.3g} GB measured (the peak of this run, "
+                  "torch.cuda.max_memory_allocated)", flush=True)
         picture = Path(args.picture) if args.picture and args.picture != "none" else out.with_suffix(".png")
         if args.picture != "none" and save_picture(picture, cfg, inputs, chosen[0], out, steps):
             print(f"picture of {inputs.dim} {shown(np.asarray(inputs.coords)[chosen[0]])}: {picture}", flush=True)

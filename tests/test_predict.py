@@ -6,6 +6,7 @@ finished against an uninterrupted one byte for byte, 2 ranks against 1, and bad 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import rollout
 from tests.conftest import REPO, as_dcp_checkpoint, run_script
 from tests.test_train import expect_error_in_process
 from utils.data.era5 import bicubic_downsample
+from utils.memory.measure import measure_peak
 from utils.predict.checkpoints import config_from_checkpoint, load_model, read_checkpoint
 from utils.predict.store import Store, channel_values
 from utils.tasks import build_task
@@ -98,11 +100,24 @@ def test_sr_file_coordinates_units_orientation_and_values(reference_run, tiny_da
 def test_tiles_equal_the_whole_field_within_the_seam_error(reference_run, sr_store, tmp_path, capsys):
     # 32x64 inputs in 5 tiles of 32 at the default overlap (24), written as netCDF.
     out = tmp_path / "tiled.nc"
-    run_predict(capsys, "--checkpoint", str(reference_run), "--out", str(out), "--times", "0:3", "--tile", "32",
-                "--picture", "none")
+    printed = run_predict(capsys, "--checkpoint", str(reference_run), "--out", str(out), "--times", "0:3", "--tile",
+                          "32", "--picture", "none")
     with xr.open_dataset(out) as tiled, xr.open_zarr(sr_store) as whole:
         assert tiled.attrs["tiles"] == "32 cells, overlap 24"
         assert relative_error(channel_values(tiled, SR_NAMES), channel_values(whole, SR_NAMES), 1) <= 1e-4
+    # The inference memory it printed (traced on fake tensors) against the same tiled forward measured.
+    estimated = float(re.search(r"memory: ([\d.e-]+) GB estimated for one batch of 1 time \(in 32-cell tiles\)",
+                                printed)[1]) * 1e9
+    saved = read_checkpoint(reference_run)
+    model = load_model(config_from_checkpoint(saved, {}, predict.TASKS, ""), saved, torch.device("cpu")).eval()
+    args = predict.parse_args(["--checkpoint", str(reference_run), "--out", "unused.zarr", "--tile", "32"])
+    x = torch.randn(1, 3, ROWS // 2, COLS // 2)
+    held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers(), x])
+    with torch.no_grad():
+        step = predict.Predictor(model, torch.device("cpu"), args, None).one_step
+        step(x)  # the model's caches (shift masks), as the estimate's first call makes them
+        measured = measure_peak(lambda: step(x), torch.device("cpu")) + held
+    assert 0.75 <= estimated / measured <= 1.1, (estimated, measured)
 
 
 def test_dcp_folder_and_bare_weights_predict_what_the_pt_does(reference_run, tiny_data, sr_store, tmp_path, capsys):

@@ -257,6 +257,19 @@ def _cpu_allocation_peaks(run) -> tuple[float, float]:
     return float(peak), float(peak_forward)
 
 
+def measure_peak(run: Callable[[], object], device: torch.device) -> int:
+    """Peak bytes allocated on ``device`` while ``run()`` runs, above what was allocated when it started
+    (``torch.cuda.max_memory_allocated`` on CUDA; the profiler's allocation trace on the CPU, as above)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        run()
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device) - start)
+    return int(_cpu_allocation_peaks(lambda marks: run())[0])
+
+
 class _MarkList(list):
     """A list whose append also drops a profiler mark (the end of the forward pass)."""
 

@@ -287,6 +287,34 @@ def trace_step(model: nn.Module, input_shape: Sequence[int], target_shape: Seque
                       time.perf_counter() - started)
 
 
+def trace_inference(model: nn.Module, forward: Callable[[Callable, torch.Tensor], torch.Tensor],
+                    input_shape: Sequence[int]) -> int:
+    """Peak bytes of ``forward(model_call, x)`` for an input of ``input_shape`` under ``torch.no_grad()`` (inference:
+    no activation is kept for a backward), traced on fake tensors as :func:`trace_step` traces training: parameters,
+    buffers, the input and everything ``forward`` allocates (tiles and their blend, autocast's copies) at the
+    moment of the peak. ``model_call(x)`` runs the model; ``forward`` may call it many times (tiles, steps).
+    Raises :class:`CannotTrace` (one line) where the forward does not run on fake tensors."""
+    from torch.distributed._tools.mem_tracker import MemTracker  # (private: see trace_step)
+
+    try:
+        with fresh_model_caches(), FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+            fake = fake_copy(model).eval()
+            tracker = MemTracker()
+            tracker.track_external(fake)
+            def model_call(x: torch.Tensor) -> torch.Tensor:
+                tracker.reset_mod_stats()  # per-module figures of the last call: MemTracker refuses repeated calls
+                return fake(x)
+
+            with tracker:
+                forward(model_call, torch.empty(tuple(input_shape)))
+                peak = _snapshot(tracker, "peak")["Total"]
+    except Exception as error:  # as trace_step: one line, never a traceback
+        what = (str(error).strip().splitlines() or [""])[0][:200]
+        raise CannotTrace(f"cannot trace {type(model).__name__}'s forward on fake tensors: {type(error).__name__}: "
+                          f"{what}") from None
+    return int(peak)
+
+
 def _estimate(traced: TracedStep, setting: dict) -> MemoryEstimate:
     """MemoryEstimate's terms at the moment of the peak (so that they add up to it), and what stays per rank."""
     terms = traced.terms()
