@@ -32,7 +32,9 @@ then the estimate on the GPU path for one GPU (batch 16 and vit_mp's whole batch
 measured peak (``torch.cuda.max_memory_allocated`` over a step, parameters and AdamW state included) next to the
 estimate of that device's path, and the seconds per step. SwinIR: the whole field in bf16 + AC, bf16 and fp32
 (fp32 also at half the height and width where the estimate exceeds the GPU: the whole field then runs out of
-memory, which is recorded); the ViT (vit_mp, 16 samples): bf16 with and without AC. One JSON line per setting as
+memory, which is recorded), and first predict.py's forward of the whole field alone in bf16 and fp32 (inference:
+nothing kept for a backward; the estimate is predict.py's, traced); the ViT (vit_mp, 16 samples): bf16 with and
+without AC. One JSON line per setting as
 it completes; arguments after ``--`` override config keys (the CPU dry run's tiny models).
 
     python benchmarks/full_size_memory.py --measure --device cuda
@@ -57,10 +59,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from utils.checkpoint import replaced_atomically, reporting_write_failures  # noqa: E402
 from utils.config import build_config  # noqa: E402
 from utils.memory.estimate import GB, estimate_memory  # noqa: E402
-from utils.memory.measure import (build_for_measurement, loss_for, measure_config,  # noqa: E402
+from utils.memory.measure import (build_for_measurement, loss_for, measure_config, measure_peak,  # noqa: E402
                                   measure_saved_activations, measure_training_memory, random_batch,
                                   time_training_step, trace_saved_activations)
 from utils.memory.shapes import input_size  # noqa: E402
+from utils.memory.traced import trace_inference  # noqa: E402
+from utils.precision import autocast  # noqa: E402
 from utils.training import run_cli
 
 SETTINGS = {"fp32": dict(amp_dtype="none", ac="none"), "bf16": dict(amp_dtype="bf16", ac="none"),
@@ -286,6 +290,37 @@ def measure_case(cfg, lr_size, device: torch.device, steps: int) -> dict:
     return row
 
 
+def measure_inference_case(cfg, lr_size, device: torch.device, steps: int) -> dict:
+    """predict.py's forward of the whole field (no_grad, autocast, nothing kept for a backward): the estimate it
+    prints (trace_inference, on fake tensors) against the measured peak, parameters and input included."""
+    model = build_for_measurement(cfg, device).eval()
+    lr, _ = random_batch(cfg, lr_size, device)
+
+    def forward(call, x):
+        with autocast(x.device, cfg.train.amp_dtype):
+            return call(x).float()
+
+    estimate = trace_inference(model, forward, tuple(lr.shape))
+    row = {"input": list(lr.shape[-2:]), "batch": lr.shape[0], "estimate_gb": estimate / GB}
+    held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers(), lr])
+    try:
+        with torch.no_grad():
+            forward(model, lr)  # the model's caches (shift masks), as the traced forward makes them
+            peak = measure_peak(lambda: forward(model, lr), device) + held
+            times = []
+            for _ in range(steps):
+                started = time.perf_counter()
+                forward(model, lr)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times.append(time.perf_counter() - started)
+        row.update(measured_peak_gb=peak / GB, estimate_error=(estimate - peak) / peak,
+                   seconds_per_step=statistics.median(times))
+    except torch.OutOfMemoryError as error:
+        row.update(oom=True, error=str(error).splitlines()[0][:200])
+    return row
+
+
 def measure_on_device(args) -> int:
     """--measure: one JSON line per setting, then a summary line."""
     device = torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
@@ -293,9 +328,14 @@ def measure_on_device(args) -> int:
         raise SystemExit(f"error: after -- come config keys and values (--key value ...), got {args.overrides}")
     overrides = {key[2:]: value for key, value in zip(args.overrides[::2], args.overrides[1::2])}
     rows = []
-    for setting, cfg, lr_size in measured_cases(args, device, overrides):
+    cases = measured_cases(args, device, overrides)
+    if args.model == "swinir":  # predict.py's whole field: cheapest of all, so first
+        cases = [(f"inference {s}", config(s, device.type, cases[0][1].name, overrides), args.lr_size)
+                 for s in ("bf16", "fp32")] + cases
+    for setting, cfg, lr_size in cases:
+        measure = measure_inference_case if setting.startswith("inference") else measure_case
         row = {"setting": setting, "model": args.model, "config": cfg.name, "device": str(device),
-               **measure_case(cfg, lr_size, device, args.steps)}
+               **measure(cfg, lr_size, device, args.steps)}
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the next setting starts from an empty allocator
         rows.append(row)

@@ -477,7 +477,7 @@ def items(check: Check) -> list[Item]:
                       "2008", "2010", "--valid-years", "2015", "--quiet"], 120, judge_exit, min_s=5),
         Item("cuda tests", ["-m", "pytest", "-v", "-m", "cuda", "-p", "no:cacheprovider", "-rs",
                             f"--junitxml={work / 'junit.xml'}", *CUDA_TEST_FILES], 180, judge_tests, min_s=30),
-        Item("full field", ["benchmarks/full_size_memory.py", "--measure", *sizes["full_size"]], 150,
+        Item("full field", ["benchmarks/full_size_memory.py", "--measure", *sizes["full_size"]], 170,
              judge_memory("full field"), min_s=30),
         Item("vit_mp", ["benchmarks/full_size_memory.py", "--measure", "--model", "vit", *sizes["vit"]], 100,
              judge_memory("vit_mp"), min_s=30),

@@ -39,7 +39,8 @@ def test_dry_run_passes_what_a_cpu_can_run_and_reports_the_rest_as_skipped(tmp_p
     assert skipped["ladder: tf32"] == skipped["ladder: cuda graphs"] == "needs CUDA"
     # The figures the pages will quote are there, per setting.
     settings = [name for name in rows if name.startswith("full field: ")]
-    assert [name.split(": ")[1].split(" 16x32")[0] for name in settings] == ["bf16 + AC block", "bf16", "fp32"]
+    assert [name.split(": ")[1].split(" 16x32")[0] for name in settings] == ["inference bf16", "inference fp32",
+                                                                              "bf16 + AC block", "bf16", "fp32"]
     assert all(rows[name]["figures"]["measured_peak_gb"] > 0 and rows[name]["figures"]["estimate_gb"] > 0
                for name in settings)
     assert len([name for name in rows if name.startswith("vit_mp: ")]) == 2
