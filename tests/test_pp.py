@@ -2,7 +2,8 @@
 
 - Every schedule, for SwinIR (4 RSTBs, the long skip passed along) and the ViT (4 blocks), on 2 ranks:
   the loss and all gradients of each step and all weights after 2 AdamW steps equal one process, and the
-  stages together hold every parameter once (tests/pp_layouts.py, one 2-process launch). dp 2 x pp 2
+  stages together hold every parameter once (check_layouts.py's harness, utils/plan/equivalence.py, one
+  2-process launch). dp 2 x pp 2
   with FSDP2 (+ activation checkpointing) and with replicated ("ddp") pipelines: the same (one
   4-process launch).
 - train_pp.py end to end: the ViT's 1F1B pipeline reproduces train.py's losses, weights, Adam moments and
