@@ -30,7 +30,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -155,6 +155,25 @@ def probe(cfg, model, device: torch.device, inputs: Inputs, args) -> tuple[int, 
     if cfg.data.task == "forecast" and (out[0], scale) != (shape[0], 1):
         raise DataError(f"a forecaster's output is fed back as its input, but the model maps {shape} to {out}")
     return scale, (out[0], *(scale * n for n in spatial))
+
+
+class _InTurn:
+    """An executor that runs each task at once, in the calling thread (concurrent.futures has none)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        return False
+
+    def submit(self, fn, *args) -> Future:
+        done = Future()
+        done.set_result(fn(*args))
+        return done
+
+
+def _executor(overlap: bool):
+    return ThreadPoolExecutor(1) if overlap else _InTurn()
 
 
 def memory_needed(model, device: torch.device, args, input_shape: tuple[int, ...]) -> Optional[int]:
@@ -292,7 +311,8 @@ def main(argv=None) -> int:
     store = Store(args.out, request)
     batch = args.batch_size
     units = [chosen[u:u + batch] for u in range(0, len(chosen), batch)]
-    done = store.prepare(lambda: layout.template(np.asarray(inputs.coords)[chosen], attrs, item_attrs), len(units))
+    done = store.prepare(lambda: layout.template(np.asarray(inputs.coords)[chosen], attrs, item_attrs, batch),
+                         len(units))
     mine = [u for u in range(len(units)) if u % world == rank and u not in done]
     predictor = Predictor(model, device, args, steps)
     if rank == 0:
@@ -324,8 +344,11 @@ def main(argv=None) -> int:
                                       "to continue"):
             store.write(layout.region(values), chosen.index(units[unit][0]), unit)
 
-    # Reading the next batch and writing the last one overlap the prediction: one thread each, one batch ahead.
-    with ThreadPoolExecutor(1) as reader, ThreadPoolExecutor(1) as writer:
+    # On a GPU, reading the next batch and writing the last one overlap the prediction: one thread each, one batch
+    # ahead. On the CPU they would share its cores and the GIL with the forward (2 cores, 48-cell tiles: 5.9 times/s
+    # with the threads, 8.3 without), so they run in turn there.
+    overlap = device.type == "cuda"
+    with _executor(overlap) as reader, _executor(overlap) as writer:
         batch = reader.submit(read, mine[0]) if mine else None
         written_unit = None
         for r in range(rounds):

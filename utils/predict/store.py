@@ -111,8 +111,10 @@ class Layout:
                  "level": len(self.levels), **{k: len(v[0]) for k, v in self.grid.items()}}
         return tuple(sizes[d] for d in self.dims(name))
 
-    def template(self, coords: np.ndarray, attrs: dict, item_attrs: dict):
-        """The whole store's Dataset, every data value the fill value (a broadcast: no memory), and its encoding."""
+    def template(self, coords: np.ndarray, attrs: dict, item_attrs: dict, chunk: int = 1):
+        """The whole store's Dataset, every data value the fill value (a broadcast: no memory), and its encoding:
+        ``chunk`` items a chunk, a batch's (each batch one whole chunk of each variable: its rank alone writes it,
+        and a chunk's fixed cost is paid once a batch)."""
         xr = xarray()
         names = {self.item_dim: (coords, item_attrs), **self.grid}
         if self.leads is not None:
@@ -129,7 +131,7 @@ class Layout:
                 var_attrs["units"] = self.units[name]
             shape = self._shape(name, len(coords))
             variables[name] = xr.Variable(self.dims(name), np.broadcast_to(np.float32(np.nan), shape), var_attrs)
-            encoding[name] = {"chunks": (1, *shape[1:]), "dtype": "float32", "_FillValue": np.float32(np.nan)}
+            encoding[name] = {"chunks": (chunk, *shape[1:]), "dtype": "float32", "_FillValue": np.float32(np.nan)}
         ds = xr.Dataset(variables, coords={k: xr.Variable((k,), v, a) for k, (v, a) in names.items()}, attrs=attrs)
         if np.issubdtype(np.asarray(coords).dtype, np.datetime64):
             encoding[self.item_dim] = {"units": "hours since 1970-01-01", "calendar": "proleptic_gregorian",
