@@ -1,7 +1,8 @@
 """predict.py on the session's tiny checkpoints (SwinIR, ViT, U-Net): what the written file holds (coordinates, units,
 orientation, values), tiles against whole fields, a DCP folder and bare weights against the .pt, coarse fields from
 netCDF, forecast scores from the file against rollout.py's, a run stopped by SIGTERM and killed with SIGKILL then
-finished against an uninterrupted one byte for byte, 2 ranks against 1, and bad input."""
+finished against an uninterrupted one byte for byte, 2 ranks against 1, reading and writing in threads (the GPU's way)
+against in turn, and bad input."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from unittest import mock
 
@@ -124,7 +126,9 @@ def test_dcp_folder_and_bare_weights_predict_what_the_pt_does(reference_run, tin
     pt = reference_run / "checkpoints" / "step_00000010.pt"
     as_dcp_checkpoint(pt, tmp_path / "fsdp" / "checkpoints")
     common = ("--times", "0:3", "--picture", "none")
-    run_predict(capsys, "--checkpoint", str(tmp_path / "fsdp"), "--out", str(tmp_path / "dcp.zarr"), *common)
+    # With reading and writing in threads beside the forward, as on a GPU (on the CPU they run in turn).
+    with mock.patch.object(predict, "_executor", lambda overlap: ThreadPoolExecutor(1)):
+        run_predict(capsys, "--checkpoint", str(tmp_path / "fsdp"), "--out", str(tmp_path / "dcp.zarr"), *common)
     # The original SwinIR's way: a state dict under "params", the model described by a config of one's own.
     torch.save({"params": torch.load(pt, weights_only=True)["model"]}, tmp_path / "swinir_x2.pth")
     (tmp_path / "tiny.yaml").write_text("tiny:\n  base: quickstart\n  depths: [2]\n  num_heads: [2]\n  embed_dim: 16\n"
