@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from utils.config import ConfigError
 from utils.parallel.plans import missing_plan, model_plan
-from utils.parallel.versions import require_torch
+from utils.parallel.versions import replicated_convolutions_locally, require_torch
 
 
 def _heads_of_this_rank(attn: nn.Module, mesh) -> None:
@@ -113,5 +113,6 @@ def replicate_rest(model: nn.Module, mesh, local_output: bool = False) -> None:
         if plain and module is not model:
             distribute_module(module, mesh, to_replicated, input_fn=input_to_dtensor,
                               output_fn=output_to_local if local_output else None)
+            replicated_convolutions_locally(module)  # torch < 2.15: their gradients would be summed over tp
         elif plain:  # the root's own parameters (the position embedding): no input conversion
             to_replicated("", module, mesh)

@@ -84,3 +84,29 @@ def average_fsdp_gradients(module: nn.Module, mesh) -> None:
     if torch_release() < (2, 9):
         shards = mesh.size(mesh.ndim - 1)
         module.set_all_reduce_hook(lambda grad: grad.div_(shards))
+
+
+REPLICATED_CONV_GRADIENT_FIXED = (2, 15)
+"""Before it (2.7.1 and 2.11 checked, 2.12-2.14 not): DTensor's convolution backward marks the weight gradient of a
+replicated convolution Partial although every rank holds all of it, so it is summed over the tensor-parallel ranks:
+tp x the gradient, silently (check_layouts.py: the ViT's patch_embed.weight and SwinIR's conv_first.weight off by
+1.0 relative; AdamW hardly minds the scale, clipping and SGD would)."""
+
+
+def _local_convolution(conv: nn.Module, x):
+    # A replicated convolution computed on the local tensors (the same values on every rank), its output handed on
+    # as the replicated DTensor DTensor's own convolution would give; the weights' gradients stay replicated.
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = conv.weight.device_mesh
+    local = x.to_local() if isinstance(x, DTensor) else x
+    bias = conv.bias.to_local() if conv.bias is not None else None
+    return DTensor.from_local(conv._conv_forward(local, conv.weight.to_local(), bias), mesh, [Replicate()],
+                              run_check=False)
+
+
+def replicated_convolutions_locally(module: nn.Module) -> None:
+    """On torch before REPLICATED_CONV_GRADIENT_FIXED, a convolution whose parameters are replicated DTensors
+    computes on its local tensors instead (see there); later torch, and other modules, are left as they are."""
+    if torch_release() < REPLICATED_CONV_GRADIENT_FIXED and isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        module.forward = _local_convolution.__get__(module)
