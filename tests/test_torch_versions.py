@@ -61,3 +61,36 @@ def test_each_outcome_is_reported(tmp_path, monkeypatch):
     assert (hung.status, hung.detail) == ("TIMEOUT", "timed out after 1 s")
     assert time.perf_counter() - start < 10  # ended by SIGKILL after the grace, though it ignores SIGTERM
     assert tv.summary([hung, refused], "2.7.1").startswith("torch 2.7.1: 0 ok, 1 refused, 0 failed, 1 timed out")
+
+
+def test_replicated_convolutions_computed_locally_give_the_plain_values_and_replicated_gradients(monkeypatch):
+    # What torch < 2.15 gets (its DTensor convolution backward sums a replicated weight gradient over tp; see
+    # utils/parallel/versions.py), forced on the pin: one process, a 1-rank tp mesh.
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from utils.parallel import versions
+    from utils.parallel.tensor_parallel import replicate_rest
+
+    monkeypatch.setattr(versions, "REPLICATED_CONV_GRADIENT_FIXED", (99, 0))
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.GELU(), nn.Conv2d(4, 2, 2, stride=2))
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.GELU(), nn.Conv2d(4, 2, 2, stride=2))
+    model.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 3, 8, 8)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        replicate_rest(model, init_device_mesh("cpu", (1,)), local_output=True)
+        assert all(m.forward.__func__ is versions._local_convolution for m in (model[0], model[2]))
+        out = model(x)
+        plain(x).pow(2).sum().backward()
+        out.pow(2).sum().backward()
+        torch.testing.assert_close(out, plain(x))
+        for ours, theirs in zip(model.parameters(), plain.parameters()):
+            assert isinstance(ours.grad, DTensor) and ours.grad.placements == (Replicate(),)
+            torch.testing.assert_close(ours.grad.to_local(), theirs.grad)
+    finally:
+        dist.destroy_process_group()
