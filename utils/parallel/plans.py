@@ -131,10 +131,7 @@ def register_plan(model_class: type, plan: ModelPlan) -> None:
 register_plan(SwinIR, ModelPlan(
     units={"block": lambda model: model.blocks(), "layer": lambda model: model.rstb_layers()},
     tp=TensorParallelPlan(swinir_styles, heads=lambda model: [b.attn.num_heads for b in model.swin_blocks()],
-                          fused_qkv=lambda model: [b.attn for b in model.swin_blocks()], local_output=True,
-                          # Before 2.10, DTensor's convolution backward hands a plain tensor back as the input's
-                          # gradient: "'Tensor' object has no attribute 'placements'".
-                          min_torch=(2, 10), min_torch_why="DTensor's backward of its replicated convolutions"),
+                          fused_qkv=lambda model: [b.attn for b in model.swin_blocks()], local_output=True),
     cp="fields",
     stages=StagePlan("layers", stem=("conv_first", "patch_embed", "absolute_pos_embed", "pos_drop"),
                      tail=("norm", "conv_after_body", "conv_before_upsample", "upsample", "conv_last",

@@ -90,7 +90,8 @@ REPLICATED_CONV_GRADIENT_FIXED = (2, 15)
 """Before it (2.7.1 and 2.11 checked, 2.12-2.14 not): DTensor's convolution backward marks the weight gradient of a
 replicated convolution Partial although every rank holds all of it, so it is summed over the tensor-parallel ranks:
 tp x the gradient, silently (check_layouts.py: the ViT's patch_embed.weight and SwinIR's conv_first.weight off by
-1.0 relative; AdamW hardly minds the scale, clipping and SGD would)."""
+1.0 relative; AdamW hardly minds the scale, clipping and SGD would). Before 2.10 the same backward also handed a
+plain tensor back as the input's gradient (SwinIR's tensor parallelism failed): computed locally, neither happens."""
 
 
 def _local_convolution(conv: nn.Module, x):
