@@ -15,8 +15,8 @@ else, restarts included, is torchrun's. The job scripts (submit_multinode.sh) la
 Only SIGUSR1 makes it exit 75, the code after which a job requeues itself. SIGTERM also reaches it when srun
 ends a job step because a task on another node failed: the workers are still asked to checkpoint and stop, but
 it exits 143 (128 + SIGTERM), so that a failed run fails its job instead of being requeued to fail again; after
-a SIGUSR1, a SIGTERM (srun's, once another node's launcher has exited 75) is ignored while the workers stop. A SIGTERM the job script was
-sent (scancel, preemption) is the job script's to act on, whatever this exits.
+a SIGUSR1, a SIGTERM (srun's, once another node's launcher has exited 75) is ignored while the workers stop. A
+SIGTERM the job script was sent (scancel, preemption) is the job script's to act on, whatever this exits.
 """
 
 import os

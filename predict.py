@@ -186,8 +186,8 @@ def memory_needed(model, device: torch.device, args, input_shape: tuple[int, ...
     except CannotTrace as error:
         print(f"memory: not estimated ({error})", flush=True)
         return None
-    if device.type == "cuda" and need > torch.cuda.get_device_properties(device).total_memory:
-        total = torch.cuda.get_device_properties(device).total_memory
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    if total is not None and need > total:
         raise DataError(f"one batch needs an estimated {need / GB:.1f} GB and {torch.cuda.get_device_name(device)} has "
                         f"{total / GB:.1f} GB: predict in tiles (--tile N) or with a smaller --batch_size")
     return need
