@@ -180,9 +180,10 @@ def memory_needed(model, device: torch.device, args, input_shape: tuple[int, ...
     """Bytes one batch's forward needs on the device (parameters, the input, the forward's own tensors, tiles and
     their blend; nothing kept for a backward), traced on fake tensors; None where the model cannot be traced.
     A GPU without that much memory stops here in one line, before anything is written."""
+    traced_on = device if device.type == "cuda" else torch.device("cpu")  # CUDA's autocast and kernels on a GPU
     try:
-        need = trace_inference(model, lambda call, x: Predictor(call, torch.device("cpu"), args, None).one_step(x),
-                               input_shape)
+        need = trace_inference(model, lambda call, x: Predictor(call, traced_on, args, None).one_step(x),
+                               input_shape, traced_on)
     except CannotTrace as error:
         print(f"memory: not estimated ({error})", flush=True)
         return None

@@ -70,7 +70,8 @@ def main():
     pipeline = Pipeline(raw_model, cfg, mesh["pp"], device, loss_fn, cfg.train.batch_size // dp_size)
     del raw_model  # the other ranks' parts
     pipeline.parallelize(lambda stage: apply_ac(stage, tcfg.ac))  # each technique on each stage
-    pipeline.parallelize(lambda stage: apply_compile(stage, tcfg.compile, tcfg.compile_backend, tcfg.cuda_graphs))
+    pipeline.parallelize(lambda stage: apply_compile(stage, tcfg.compile, tcfg.compile_backend, tcfg.cuda_graphs,
+                                                      call_is_step=False))
     pipeline.parallelize(lambda stage: apply_data_parallel(stage, cfg, device, mesh))  # FSDP2 across pipelines
     model = pipeline.local_model()  # this rank's parameters under the model's names: optimizer, checkpoints
     input_shape = tuple(val_loader.dataset[0][0].shape)

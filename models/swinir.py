@@ -48,7 +48,9 @@ MASKED_LOGIT = -100.0
 # The original code's input shift for 3-channel images (DIV2K RGB mean), used when mean is None.
 DIV2K_RGB_MEAN = (0.4488, 0.4371, 0.4040)
 # CUDA's memory-efficient attention (the fused kernel that takes a bias and returns its gradient)
-# needs head_dim % 8 == 0; the tutorial's 180 channels / 6 heads = 30 is padded to 32 there.
+# needs head_dim % 8 == 0; the tutorial's 180 channels / 6 heads = 30 is padded to 32 there. It also
+# needs the bias's last dimension contiguous: in training on an H200 (torch 2.11) only shifted blocks at
+# batch > 1 ran it, the others SDPA's math fallback (benchmarks/README.md, "The GPU check").
 SDPA_HEAD_DIM_MULTIPLE = {"cuda": 8}
 
 
@@ -104,9 +106,14 @@ def shift_mask(height: int, width: int, window_size: int, shift_size: int,
 
 
 def activation_dtype(x: torch.Tensor) -> torch.dtype:
-    """dtype that matmuls on x will produce: the autocast dtype if autocast is on, else x's."""
-    if torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
+    """dtype that matmuls on x will produce: the autocast dtype if autocast is on, else x's.
+
+    Under torch.compile the availability check is skipped: dynamo cannot trace it (a graph break, which splits a
+    block into CUDA graphs whose outputs a validation forward overwrote on a GPU), and a compiled block runs
+    on a device that has autocast (CPU or CUDA)."""
+    device = x.device.type
+    if (torch.compiler.is_compiling() or torch.amp.is_autocast_available(device)) and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
     return x.dtype
 
 

@@ -142,6 +142,30 @@ def test_cuda_graphs_refuses_in_one_line():
         apply_compile(model, True, "inductor", cuda_graphs=True)
 
 
+def test_cuda_graphs_begin_one_step_per_call_of_the_model(monkeypatch):
+    """Each call of the whole model begins one step of the CUDA graphs, not each call of a compiled block: on a GPU a
+    no_grad validation otherwise fed each block an output torch had already released. A pipeline stage (called once
+    per microbatch, backwards pending) keeps torch's own rule."""
+    from utils.parallel import techniques
+
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(torch.is_grad_enabled()))
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: None)  # here only the marks matter
+    monkeypatch.setattr(techniques, "on_cuda", lambda model: True)
+    model = apply_compile(build_model(sr_config("unused").model), True, "inductor", cuda_graphs=True)
+    assert len(list(model.swin_blocks())) > 1
+    x = torch.randn(1, 3, 16, 16)
+    model(x).sum().backward()
+    with torch.no_grad():
+        model(x)
+        model(x)
+    assert marks == [True, False, False]
+    stage = apply_compile(build_model(sr_config("unused").model), True, "inductor", cuda_graphs=True,
+                          call_is_step=False)
+    stage(x)
+    assert len(marks) == 3
+
+
 @pytest.mark.cuda
 def test_cuda_graphs_step_equals_eager():
     cfg = sr_config("unused")
@@ -161,3 +185,10 @@ def test_cuda_graphs_step_equals_eager():
         assert losses[1] == pytest.approx(losses[0], rel=1e-4)
     for (name, a), b in zip(eager.state_dict().items(), graphed.state_dict().values()):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)
+    # Then a validation: no_grad forwards, replayed too (H200, torch 2.11: each block's call once released the
+    # previous block's output, its input).
+    for model in (eager, graphed):
+        model.eval()
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(graphed(x), eager(x), rtol=1e-4, atol=1e-5)

@@ -179,6 +179,7 @@ SHAPE_RULES = [
     (re.compile(r"\b(PASS|FAIL) +[\w.]+"), r"\1 <parameter>"),     # check_layouts.py: which gradient rounds most
     (re.compile(r"^\s*->.*"), "-> <verdict>"),                       # the throughput breakdown's conclusion
     (re.compile(r"aten::\w+"), "<op>"),                              # which ops lead the profile
+    (re.compile(r"\b(?:AMD|Intel\(R\)|Apple)(?:[^,;(]|\((?:R|TM)\))*(?:\([^)]*\))?"), "<cpu>"),  # the processor
     (re.compile(r"(?<![\w.])[\w.<>-]*(?:/[\w.<>*-]+)+/?"), "<path>"),  # run folders, files, units like samples/s
     (re.compile(r"\d+x\d+"), "#x#"),                                 # field sizes
     (re.compile(r"(?<![\w.])[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?"), "#"),  # numbers

@@ -143,21 +143,36 @@ def _swin_block(shape: SwinIRShape, heads: int, p: Precision, kernel: str, shift
             layer(cs * a, cs * a, att + 2 * cs * a),               # probs @ v: contiguous copy of v
             layer(cs * a, c * a, cs * a + c * a),                  # proj: its input
         ]
-    else:
-        # Memory-efficient SDPA keeps q, k, v, its output, the fp32 log-sum-exp and the bias + mask,
-        # which shifted blocks materialise per window. q, k, v are views of the qkv output and the
-        # output is proj's input, unless the model pads the head dimension for the kernel: then
-        # they are padded copies, and proj's input is a copy of the output's unpadded part.
+    elif shifted and batch > 1:
+        # CUDA, a shifted block at batch > 1: the shift mask's expansion to every image copies the bias into a
+        # contiguous (windows x images, heads, N, N) tensor, which the fused memory-efficient kernel takes (it ran
+        # in 18 of 36 blocks, these, in a batch-4 profile on an H200; what it saves was not measured). It keeps q, k,
+        # v, its output (all padded copies: the model pads the heads), the fp32 log-sum-exp and that bias; proj's
+        # input is a copy of the output's unpadded part.
         head_dim = c // (heads * tp)
         padded = heads * (head_dim + _sdpa_head_pad(head_dim))
         qkv_out = 3 * padded * a + padded * a + (cs * a if padded != cs else 0.0)
-        bias_per_token = att if shifted else 0.0
         layers += [
             layer(c * a, 3 * cs * a, 3 * cs * a + 2 * c * a),
-            layer(qkv_out + 4 * heads + bias_per_token, padded * a + bias_per_token, 4 * padded * a + att),
+            layer(qkv_out + 4 * heads + att, padded * a + att, 4 * padded * a + att),
         ]
-        if not shifted:  # one (heads, N, N) bias shared by all windows
-            layers[-1].saved += heads * n * n * a
+    else:
+        # CUDA, the other blocks: SwinIR's relative-position bias is a permuted view (its last dimension is not
+        # contiguous), which the fused kernels refuse, so SDPA runs its math fallback (measured on an H200, torch
+        # 2.11: every block at batch 1, tests/gpu_check.py). It computes in fp32 whatever the autocast dtype (low
+        # precision is upcast, torch's default) and saves the scaled q and k, v and the probabilities, all fp32
+        # and as wide as the model pads the heads; the bias itself is not saved. Its output, cast back, is sliced
+        # and copied for proj, which saves that copy.
+        head_dim = c // (heads * tp)
+        padded = heads * (head_dim + _sdpa_head_pad(head_dim))
+        att32 = heads * n * 4  # the logits, probabilities and their gradients: fp32 here
+        bias = heads * n * a if shifted else 0.0  # a shifted block's bias, materialised per window
+        layers += [
+            layer(c * a, 3 * cs * a, 3 * cs * a + 2 * c * a),                       # qkv: its input
+            layer(3 * padded * 4 + att32, 3 * padded * a + 3 * padded * 4 + bias + 2 * att32,
+                  3 * att32 + 6 * padded * 4 + bias),                               # q k^T, softmax, probs @ v
+            layer(cs * a, c * a, cs * a + c * a),                                   # proj: its input
+        ]
     layers += [
         layer(c * st + LN_STATS_BYTES, c * a, c * a + c * st),  # norm2: the mid-block residual, statistics
         layer(c * a, hid * a, hid * a + c * a),                 # fc1: its input

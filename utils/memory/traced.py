@@ -155,12 +155,12 @@ def fake_process_group(world_size: int, hsdp_replicas: int = 1):
         dist.destroy_process_group()
 
 
-def fake_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers are fake tensors on the CPU (call under FakeTensorMode):
+def fake_copy(model: nn.Module, device: Union[str, torch.device] = "cpu") -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are fake tensors on ``device`` (call under FakeTensorMode):
     the original, real or on the meta device, is left as it is and nothing of its size is allocated."""
     memo = {}
     for tensor in itertools.chain(model.parameters(), model.buffers()):
-        fake = torch.empty(tensor.shape, dtype=tensor.dtype)
+        fake = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
         memo[id(tensor)] = nn.Parameter(fake, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else fake
     return copy.deepcopy(model, memo)
 
@@ -216,8 +216,12 @@ class GlooStaging(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _snapshot(tracker, kind: str) -> dict[str, int]:
-    return next(iter(tracker.get_tracker_snapshot(kind).values()), {"Total": 0})
+def _snapshot(tracker, kind: str, device: Optional[torch.device] = None) -> dict[str, int]:
+    """The tracker's figures of one device (``device``; default: the first it saw)."""
+    by_device = tracker.get_tracker_snapshot(kind)
+    if device is not None:
+        return next((v for d, v in by_device.items() if d.type == device.type), {"Total": 0})
+    return next(iter(by_device.values()), {"Total": 0})
 
 
 def trace_step(model: nn.Module, input_shape: Sequence[int], target_shape: Sequence[int], loss, cfg: Config,
@@ -288,17 +292,23 @@ def trace_step(model: nn.Module, input_shape: Sequence[int], target_shape: Seque
 
 
 def trace_inference(model: nn.Module, forward: Callable[[Callable, torch.Tensor], torch.Tensor],
-                    input_shape: Sequence[int]) -> int:
+                    input_shape: Sequence[int], device: Union[str, torch.device] = "cpu") -> int:
     """Peak bytes of ``forward(model_call, x)`` for an input of ``input_shape`` under ``torch.no_grad()`` (inference:
     no activation is kept for a backward), traced on fake tensors as :func:`trace_step` traces training: parameters,
     buffers, the input and everything ``forward`` allocates (tiles and their blend, autocast's copies) at the
     moment of the peak. ``model_call(x)`` runs the model; ``forward`` may call it many times (tiles, steps).
-    Raises :class:`CannotTrace` (one line) where the forward does not run on fake tensors."""
+    Raises :class:`CannotTrace` (one line) where the forward does not run on fake tensors.
+
+    ``device``: where the real forward runs. Unlike a training step (see the module docstring), inference on a GPU
+    is traced with fake CUDA tensors there: CUDA's autocast (LayerNorm in fp32) and attention kernels then shape the
+    trace. Traced with the CPU's kernels, SwinIR's whole field in bf16 came to 37 % of the peak measured on an H200
+    (tests/gpu_check.py, benchmarks/README.md); cuDNN's convolution workspaces stay unseen on either path."""
     from torch.distributed._tools.mem_tracker import MemTracker  # (private: see trace_step)
 
+    device = torch.device(device)
     try:
         with fresh_model_caches(), FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
-            fake = fake_copy(model).eval()
+            fake = fake_copy(model, device).eval()
             tracker = MemTracker()
             tracker.track_external(fake)
             def model_call(x: torch.Tensor) -> torch.Tensor:
@@ -306,8 +316,8 @@ def trace_inference(model: nn.Module, forward: Callable[[Callable, torch.Tensor]
                 return fake(x)
 
             with tracker:
-                forward(model_call, torch.empty(tuple(input_shape)))
-                peak = _snapshot(tracker, "peak")["Total"]
+                forward(model_call, torch.empty(tuple(input_shape), device=device))
+                peak = _snapshot(tracker, "peak", device)["Total"]
     except Exception as error:  # as trace_step: one line, never a traceback
         what = (str(error).strip().splitlines() or [""])[0][:200]
         raise CannotTrace(f"cannot trace {type(model).__name__}'s forward on fake tensors: {type(error).__name__}: "

@@ -40,7 +40,8 @@ def apply_ac(model: nn.Module, mode: str) -> nn.Module:
     return model
 
 
-def apply_compile(model: nn.Module, enabled: bool, backend: str = "inductor", cuda_graphs: bool = False) -> nn.Module:
+def apply_compile(model: nn.Module, enabled: bool, backend: str = "inductor", cuda_graphs: bool = False,
+                  call_is_step: bool = True) -> nn.Module:
     """torch.compile each block in place (``Module.compile``).
 
     Blocks share one code object, but dynamo specialises on their constants (SwinIR's shift, the
@@ -51,11 +52,14 @@ def apply_compile(model: nn.Module, enabled: bool, backend: str = "inductor", cu
 
     ``cuda_graphs``: inductor's reduce-overhead mode records each block's forward and backward kernels
     as CUDA graphs and replays them, one launch instead of hundreds: what small per-GPU batches need,
-    where the CPU cannot queue kernels as fast as the GPU runs them.
+    where the CPU cannot queue kernels as fast as the GPU runs them. Each call of ``model`` then begins a new step of
+    the graphs (:func:`begin_cuda_graph_step`); ``call_is_step=False`` where a step calls it several times before
+    their backwards (a pipeline stage, once per microbatch): torch's own rule, a new step at a call with no backward
+    pending, holds there.
     """
     if not enabled:
         return model
-    if cuda_graphs and not all(p.is_cuda for p in model.parameters()):
+    if cuda_graphs and not on_cuda(model):
         raise ConfigError("cuda_graphs records CUDA kernels; this model is not on a CUDA device: drop --cuda_graphs "
                           "(or run on a GPU)")
     blocks = ac_units(model, "block") if model_plan(model).units else [model]  # no units: the model as one
@@ -64,7 +68,24 @@ def apply_compile(model: nn.Module, enabled: bool, backend: str = "inductor", cu
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(blocks))
     for block in blocks:
         block.compile(backend=backend, mode="reduce-overhead" if cuda_graphs else None)
+    if cuda_graphs and call_is_step and blocks != [model]:  # (a model compiled whole is one graph call a step)
+        model.register_forward_pre_hook(begin_cuda_graph_step)
     return model
+
+
+def on_cuda(model: nn.Module) -> bool:
+    return all(p.is_cuda for p in model.parameters())
+
+
+def begin_cuda_graph_step(_module: nn.Module = None, _args=None) -> None:
+    """A forward pre-hook: this call of the model is a new step for the CUDA graphs of its compiled blocks.
+
+    Without it torch begins a new step at every call of a compiled block with no backward pending: in a validation
+    forward (no_grad) each block's call released the previous block's output, its own input ("accessing tensor
+    output of CUDAGraphs that has been overwritten by a subsequent run", on an H200, torch 2.11). Once marked, torch
+    counts steps by the marks alone: so every call, training's too, is marked.
+    """
+    torch.compiler.cudagraph_mark_step_begin()
 
 
 def apply_ddp(model: nn.Module, cfg, device: torch.device) -> nn.Module:
