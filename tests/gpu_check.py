@@ -328,7 +328,8 @@ def judge_exit(ran: Ran, check: Check) -> list[Row]:
 
 
 def judge_tests(ran: Ran, check: Check) -> list[Row]:
-    """One row for the run, one per test (its outcome and, for a skip or a failure, why)."""
+    """One row for the run, one per test (its outcome and, for a skip or a failure, why). On a GPU a skipped test
+    fails, with the reason it gave: a torch that cannot use the GPU must not pass as checked."""
     rows = [Row("cuda tests", "pass" if ran.code == 0 else "fail",
                 "" if ran.code == 0 else "a test failed" if ran.code == 1 else f"pytest exit code {ran.code}")]
     counts = {"pass": 0, "fail": 0, "skip": 0}
@@ -339,10 +340,14 @@ def judge_tests(ran: Ran, check: Check) -> list[Row]:
         reason = "" if problem is None else (problem.get("message") or "").splitlines()[0][:300] if (
             problem.get("message")) else problem.tag
         counts[status] += 1
+        if status == "skip" and check.mode == "gpu":
+            status, reason = "fail", f"skipped on a GPU: {reason}"
         rows.append(Row(name, status, reason, seconds=round(float(case.get("time", 0)), 1)))
     rows[0].figures = counts
     if not counts["pass"] + counts["fail"] + counts["skip"]:
         rows[0].status, rows[0].reason = "fail", "no test collected"
+    elif check.mode == "gpu" and counts["skip"]:
+        rows[0].status, rows[0].reason = "fail", f"{counts['skip']} of the cuda tests skipped on a GPU"
     return rows
 
 

@@ -94,6 +94,19 @@ def test_only_selects_by_prefix_and_keeps_what_the_others_need(tmp_path):
     assert reasons["ladder: compile"].startswith("not in the tiny dry run")
 
 
+def test_on_a_gpu_a_skipped_cuda_test_fails_the_item_with_its_reason(tmp_path):
+    check = a_check(tmp_path, tiny=False)
+    check.work.joinpath("junit.xml").write_text(
+        '<testsuites><testsuite><testcase classname="tests.test_model" name="ok" time="1"/>'
+        '<testcase classname="tests.test_ddp" name="nccl" time="0"><skipped message="needs a CUDA device"/>'
+        '</testcase></testsuite></testsuites>')
+    rows = gpu_check.judge_tests(gpu_check.Ran(0, "", 1.0), check)
+    assert (rows[0].status, rows[0].reason) == ("fail", "1 of the cuda tests skipped on a GPU")
+    assert [(r.status, r.reason) for r in rows[1:]] == [("pass", ""), ("fail", "skipped on a GPU: needs a CUDA device")]
+    check.mode = "tiny"  # the dry run: skips are what a CPU does
+    assert gpu_check.judge_tests(gpu_check.Ran(0, "", 1.0), check)[0].status == "pass"
+
+
 @pytest.mark.parametrize("argv, message", [([], "--out DIR is required"), (["--out", "x", "--budget-s", "0"],
                                                                            "--budget-s must be > 0")])
 def test_bad_arguments_stop_with_one_line(argv, message, capsys):
