@@ -121,15 +121,19 @@ def test_a_wait_that_never_returns_ends_its_rank(how, tiny_data, tmp_path):
 # ------------------------------------------------------------------ under torchrun --max-restarts
 
 
-RESTARTABLE = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # torchrun shares its store
+# As the job script sets it: each attempt's store is hosted by its rank 0, so a frozen rank 0 freezes the store too
+# (a request to it is not bounded by the store's timeout: utils/stopping.py bounds it).
+RESTARTABLE = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 @pytest.mark.parametrize("script, specs, extra", [
-    # DDP: a rank killed in the backward (its peer's all-reduce fails at once), then rank 0 frozen in torch.save
+    # DDP: a rank killed in the backward (its peer's all-reduce fails at once), then the store's host, rank 0,
+    # frozen in torch.save after the restart
     ("train_ddp.py", ["0:1:backward:4:kill", "1:0:checkpoint:3"], ()),
-    # FSDP2: frozen in the backward's reduce-scatter, then inside a DCP shard write in the background (a save at
-    # every step: the one two steps before the freeze is then surely complete, as the next save waits for it)
-    ("train_fsdp.py", ["0:1:backward@12:5", "1:1:checkpoint:3"], ("--ckpt_async", "true", "--ckpt_every", "1")),
+    # FSDP2: the store's host frozen in the backward's reduce-scatter before any restart, then the other rank
+    # inside a DCP shard write in the background (a save at every step: the one two steps before the freeze is
+    # then surely complete, as the next save waits for it)
+    ("train_fsdp.py", ["0:0:backward@12:5", "1:1:checkpoint:3"], ("--ckpt_async", "true", "--ckpt_every", "1")),
 ])
 def test_frozen_ranks_are_restarted_and_the_run_ends_at_the_uninterrupted_weights(script, specs, extra, tiny_data,
                                                                                    reference_run, ddp_reference_run,

@@ -280,13 +280,32 @@ def _waiting_frames() -> list[traceback.FrameSummary]:
     return main if main in waiting or not waiting else waiting[0]
 
 
+STORE_ANSWER_S = 1.0  # beyond the grace: a store answers in milliseconds, so past this its host is taken as frozen
+
+
 def _ranks_not_answering(grace_s: float) -> list[int]:
-    # PyTorch has no public accessor for the job's store; the ranks that are still alive note themselves there.
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set_timeout(datetime.timedelta(seconds=grace_s + 3))
-        store.set(f"timed_out/{dist.get_rank()}", "1")
-        time.sleep(grace_s)
-        return [rank for rank in range(dist.get_world_size()) if not store.check([f"timed_out/{rank}"])]
-    except Exception:  # the store's host may itself be the rank that stopped answering
-        return []
+    """The ranks that have not noted themselves in the job's store within ``grace_s`` (they hang, or have died).
+
+    Bounded also when the store's host is frozen: ``store.set_timeout`` bounds waiting for a key, not a request to a
+    server that accepted the connection and never answers (a stopped process, a node on a hung file system). So
+    the requests run in a thread of their own, waited for ``grace_s`` + STORE_ANSWER_S at most; past that the host
+    is the rank named: rank 0, where each attempt has a store of its own (the job scripts' setting), else nobody."""
+    found: list = []
+
+    def ask() -> None:
+        # PyTorch has no public accessor for the job's store; the ranks that are still alive note themselves there.
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set_timeout(datetime.timedelta(seconds=grace_s + 3))
+            store.set(f"timed_out/{dist.get_rank()}", "1")
+            time.sleep(grace_s)
+            found.append([rank for rank in range(dist.get_world_size()) if not store.check([f"timed_out/{rank}"])])
+        except Exception:  # the store's host has gone: nobody can be named
+            found.append([])
+
+    thread = threading.Thread(target=ask, name="ranks-not-answering", daemon=True)
+    thread.start()
+    thread.join(grace_s + STORE_ANSWER_S)
+    if found:
+        return found[0]
+    return [0] if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" else []

@@ -7,6 +7,7 @@ The training step itself is written out in each script; only the objects it uses
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import functools
 import math
 import multiprocessing
@@ -211,6 +212,9 @@ EXIT_CODES = {StorageError: 4, ConfigError: 2, DataError: 2, CheckpointError: 2,
 None of them is worth a restart (torchrun --max-restarts): a crash, an OOM kill or a lost node is."""
 RANK_ERROR_GRACE_S = 10.0
 """How long a rank other than 0 keeps its error to itself, waiting for the launcher to stop it."""
+ERROR_EXIT_BOUND_S = 20.0
+"""Beyond that grace, the most a failing rank of a job takes to print its line and exit (naming the ranks that did
+not arrive takes 3 s, bounded also when the store's host is frozen): past it faulthandler ends the rank, exit 1."""
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer")
 """gloo's words for a collective whose peer process has exited: the error is another rank's consequence."""
 
@@ -240,6 +244,8 @@ def run_cli(main: Callable[[], Optional[int]]) -> None:
         code = main()
     except Exception as error:
         stop_watching()  # SIGTERM back to its default: the failing-rank logic below relies on it
+        if joined_job():  # whatever the failure path below waits for, the rank still ends (stacks to stderr)
+            faulthandler.dump_traceback_later(RANK_ERROR_GRACE_S + ERROR_EXIT_BOUND_S, exit=True)
         env = read_dist_env()
         timeout = describe_timeout(error)
         if timeout:  # a rank stopped answering: a failure worth a restart (exit 1), said by rank 0 if it is alive
