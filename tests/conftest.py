@@ -2,6 +2,7 @@
 
 import json
 import os
+import random
 import runpy
 import shutil
 import signal
@@ -359,10 +360,26 @@ def stop_mid_run(script_args: list[str], run_dir: Path, ranks: int = 1, signum: 
     return proc
 
 
+_PORTS = random.Random()  # its own generator: the training code seeds the global one, runs in this process too
+
+
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port free now, drawn below the kernel's ephemeral range: port 0 would hand out one from that range, which
+    the kernel gives to outgoing connections too (gloo's, a store client's), and one of them could take it between
+    this check and the job's bind."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(100):
+        port = _PORTS.randrange(10000, max(low, 10001))
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def _run_ranks(cmd: list[str], n: int, env: dict, timeout: float) -> subprocess.CompletedProcess:
@@ -382,7 +399,7 @@ def _run_ranks(cmd: list[str], n: int, env: dict, timeout: float) -> subprocess.
                         p.kill()
                 break
             time.sleep(0.05)
-        codes = [p.wait() for p in procs]
+        codes = [p.wait(timeout=60) for p in procs]
         texts = []
         for out, err in outs:
             out.seek(0), err.seek(0)

@@ -160,7 +160,7 @@ class Check:
             os.killpg(child.pid, signal.SIGKILL)
         except ProcessLookupError:  # the group is empty: everything ended
             pass
-        child.wait()
+        child.wait(timeout=60)
 
     def stop_children(self) -> None:
         for child in list(self.children):

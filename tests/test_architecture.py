@@ -24,7 +24,7 @@ MAX_LINES = 650
 
 def lint_imports(root: Path) -> subprocess.CompletedProcess:
     return subprocess.run([str(LINT_IMPORTS), "--no-logo", "--no-cache"], cwd=root, capture_output=True, text=True,
-                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}, timeout=300)
 
 
 def with_import(tmp_path: Path, module: str, imported: str) -> Path:

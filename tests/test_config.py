@@ -77,7 +77,8 @@ def test_yaml_keys_are_known():
 
 def test_cli_errors_are_one_line():
     for argv in (["--config", "nope"], ["--bogus", "1"], ["--batch_size", "-1"]):
-        proc = subprocess.run([sys.executable, "-m", "utils.config", *argv], cwd=REPO, capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, "-m", "utils.config", *argv], cwd=REPO, capture_output=True, text=True,
+                              timeout=120)
         assert proc.returncode == 2
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 

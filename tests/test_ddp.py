@@ -172,12 +172,13 @@ def test_one_rank_dying_ends_the_job_quickly(tiny_data, tmp_path):
     finally:
         if job.poll() is None:
             job.kill()
-            job.wait()
+            job.wait(timeout=60)
 
 
 def rank_pid(torchrun_pid: int, rank: int) -> int:
     """The pid of the worker with RANK=rank among torchrun's children (read from /proc)."""
-    children = subprocess.run(["pgrep", "-P", str(torchrun_pid)], capture_output=True, text=True).stdout.split()
+    children = subprocess.run(["pgrep", "-P", str(torchrun_pid)], capture_output=True, text=True,
+                              timeout=60).stdout.split()
     for pid in map(int, children):
         environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
         if f"RANK={rank}".encode() in environ:

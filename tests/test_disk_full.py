@@ -34,7 +34,7 @@ class SmallDisk:
         self.root, self.ballast = root, root / "ballast"
         root.mkdir()
         proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(root)],
-                              capture_output=True, text=True)
+                              capture_output=True, text=True, timeout=60)
         if proc.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip() or 'not root'}); the injected-error "
                         "tests still run")
@@ -51,7 +51,7 @@ class SmallDisk:
         self.ballast.unlink(missing_ok=True)
 
     def unmount(self) -> None:
-        subprocess.run(["umount", "-l", str(self.root)], check=True)
+        subprocess.run(["umount", "-l", str(self.root)], check=True, timeout=60)
 
 
 @pytest.fixture
@@ -266,7 +266,7 @@ def torchrun(args, timeout: float = 180):
     finally:
         if job.poll() is None:
             job.kill()
-            job.wait()
+            job.wait(timeout=60)
     return job.returncode, "".join(lines), (time.time() - first_error) if first_error else None
 
 

@@ -290,7 +290,7 @@ def test_missing_data_hint_generates_what_the_config_reads(tmp_path, config, ove
     assert command.startswith("python datasets/make_synthetic_era5.py --out ")
     argv = shlex.split(command)[1:]
     argv[argv.index("--samples-per-year") + 1] = "4"  # the hint's size, fewer samples
-    subprocess.run([sys.executable, *argv, "--quiet"], cwd=REPO, check=True, capture_output=True)
+    subprocess.run([sys.executable, *argv, "--quiet"], cwd=REPO, check=True, capture_output=True, timeout=300)
     train, valid = build_loaders(cfg)
     inputs, target = next(iter(train))
     assert inputs.shape[1] == target.shape[1] == cfg.model.in_chans

@@ -77,7 +77,7 @@ def run_frozen(specs: list[str], script: str, *args: str, ranks: int = 2, timeou
             for p in procs:
                 if p.poll() is None:
                     p.kill()
-                    p.wait()
+                    p.wait(timeout=60)
         out.seek(0)
         return codes, out.read(), ended_at - frozen_at
 

@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 import yaml
@@ -173,3 +174,13 @@ def test_make_lock_refreshes_from_requirements_into_the_lock():
     # Unconstrained install into a throwaway environment, then its freeze (pip excluded) into the lock.
     assert re.search(r"-m pip install -r requirements\.txt;", recipe)
     assert "-m pip freeze --all --exclude pip" in recipe and "constraints.txt" in recipe
+
+
+def test_a_test_that_hangs_ends_the_run_with_every_thread_stack(tmp_path):
+    """pytest.ini's per-test bound (pytest-timeout): a hanging test cannot hold CI until its own limit."""
+    (tmp_path / "test_hangs.py").write_text("import time\n\ndef test_hangs():\n    time.sleep(600)\n")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", str(REPO / "pytest.ini"),
+                           "--rootdir", str(tmp_path), "-o", "timeout=2", str(tmp_path / "test_hangs.py")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "Timeout" in proc.stdout + proc.stderr and "time.sleep(600)" in proc.stdout + proc.stderr, proc.stdout[-2000:]

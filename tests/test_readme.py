@@ -465,14 +465,14 @@ def block_script(lines: list[str]) -> str:
 def test_block_is_valid_bash(page, info, first, lines, tmp_path):
     script = tmp_path / "block.sh"
     script.write_text(block_script(lines))
-    proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, f"{page.name}:{first - 1}: bash -n\n{proc.stderr}"
-    shellcheck = subprocess.run(["which", "shellcheck"], capture_output=True, text=True).stdout.strip()
+    shellcheck = subprocess.run(["which", "shellcheck"], capture_output=True, text=True, timeout=60).stdout.strip()
     if shellcheck:
         # Warnings and errors (not style notes such as "cannot follow a sourced file"); SC2034: variables
         # exported for the commands after the block are "unused" in the block itself.
         proc = subprocess.run([shellcheck, "-s", "bash", "-S", "warning", "-e", "SC2034", str(script)],
-                              capture_output=True, text=True)
+                              capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, f"{page.name}:{first - 1}: shellcheck\n{proc.stdout}"
 
 
@@ -483,7 +483,7 @@ SETUP_COMMANDS = [c for c in COMMANDS if c.kind == SETUP]
 def test_setup_command_is_known(command):
     words = shlex.split(command.text)
     if words[0] == "make":
-        proc = subprocess.run(["make", "-n", *words[1:]], cwd=REPO, capture_output=True, text=True)
+        proc = subprocess.run(["make", "-n", *words[1:]], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, f"{command.id}: make -n {' '.join(words[1:])}\n{proc.stderr}"
     elif words[0] == "source":
         assert words[1] == ".venv/bin/activate", f"{command.id}: source what?"

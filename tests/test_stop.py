@@ -91,7 +91,7 @@ def test_a_signal_to_the_whole_launch_stops_torchrun_and_its_workers_with_a_chec
             assert job.poll() is None and time.monotonic() < deadline, "no training step logged"
             time.sleep(0.01)
         workers = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True,
-                                                      text=True).stdout.split()]
+                                                      text=True, timeout=60).stdout.split()]
         for pid in workers:  # paused around the signal: it lands mid-run, whatever the machine's speed
             os.kill(pid, signal.SIGSTOP)
         os.killpg(job.pid, signal.SIGUSR1)

@@ -49,7 +49,7 @@ def test_killed_run_resumes_to_identical_weights(tiny_data, reference_run, tmp_p
         assert proc.poll() is None and time.time() < deadline, "run ended before it could be killed"
         time.sleep(0.002)
     proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proc.wait(timeout=60)
     saved = sorted(p.name for p in (killed / "checkpoints").glob("step_*.pt"))
     assert saved[-1] < "step_00000008.pt", f"the kill came too late to test anything: {saved}"
 
