@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from utils.parallel.distributed import DistEnv, cleanup_distributed, init_distributed, read_dist_env
+from utils.training import exit_process
 
 DTYPE = torch.float32
 ELEMENT_BYTES = torch.finfo(DTYPE).bits // 8
@@ -290,4 +291,4 @@ def check(args: argparse.Namespace, env: DistEnv, device: torch.device) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # a rank skips the interpreter's shutdown, as the training scripts do

@@ -532,4 +532,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from utils.training import exit_process
+
+    exit_process(main())  # a worker (a rank) skips the interpreter's shutdown, as the training scripts do

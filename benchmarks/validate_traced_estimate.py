@@ -39,6 +39,7 @@ from utils.config import build_config  # noqa: E402
 from utils.memory.estimate import estimate_memory  # noqa: E402
 from utils.memory.measure import measure_layout  # noqa: E402
 from utils.memory.shapes import SHAPES  # noqa: E402
+from utils.training import exit_process  # noqa: E402
 from utils.memory.traced import estimate_model, estimate_traced  # noqa: E402
 
 # The models: (name, base config, overrides); batches are global (4 and 8 divide over 2 and 4 processes).
@@ -119,6 +120,7 @@ def _worker(rank: int, ranks: int, port: int, cases: list, repeats: int, out: st
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
+    exit_process(0, joined=True)  # gloo's threads outlive destroy_process_group: no interpreter shutdown
 
 
 def measure_all(cases: list, repeats: int) -> list:

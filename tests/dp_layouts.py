@@ -30,6 +30,7 @@ from utils.memory.measure import SavedTensorBytes  # noqa: E402
 from utils.parallel.domain_parallel import band_bounds, gather_bands  # noqa: E402
 from utils.plan.equivalence import adamw, compare, one_process, run_layout  # noqa: E402
 from utils.plan.layouts import Layout  # noqa: E402
+from utils.training import exit_process  # noqa: E402
 
 STEPS = 2
 BATCH = 2
@@ -126,3 +127,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_process(0, joined=True)  # gloo's threads outlive destroy_process_group: no interpreter shutdown

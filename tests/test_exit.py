@@ -35,6 +35,7 @@ def test_every_distributed_script_exits_0_every_time(tiny_data, vit_data, tmp_pa
         ("train_pp.py", vit_args(vit_data, "-", *ONE_STEP, "--pp", "2", "--pp_microbatches", "2")),
     ]
     runs = [(script, without_run_dir(args)) for script, args in runs]
+    runs.append(("comm_check.py", ["--max-bytes", "64KiB", "--seconds-per-size", "0.01"], False))  # no --run_dir
     proc = run_script("tests/exit_stress.py", json.dumps(runs), str(REPEATS), str(tmp_path), ranks=2, timeout=600)
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(results) == 2 * REPEATS * len(runs), proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -278,8 +278,9 @@ def _wait_to_be_stopped() -> None:
     time.sleep(RANK_ERROR_GRACE_S)
 
 
-def exit_process(code: int) -> None:
-    """End the script with ``code``; a rank of a multi-process job skips the interpreter's shutdown.
+def exit_process(code: int, joined: Optional[bool] = None) -> None:
+    """End the script with ``code``; a rank of a multi-process job skips the interpreter's shutdown. ``joined``:
+    whether this process was such a rank (default: whether it joined one through init_distributed).
 
     Objects that hold process groups outlive ``destroy_process_group``: FSDP2's state is kept by the
     autograd graph it hooks (a reference cycle through C++ that Python's collector cannot free), and
@@ -291,7 +292,7 @@ def exit_process(code: int) -> None:
     closed; the DataLoader workers are stopped as the interpreter's exit would stop them, and the
     process ends at once.
     """
-    if joined_job():
+    if joined_job() if joined is None else joined:
         for child in multiprocessing.active_children():  # DataLoader workers (daemons; they ignore SIGTERM)
             child.kill()
         sys.stdout.flush()
