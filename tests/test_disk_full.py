@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from unittest import mock
@@ -254,20 +255,26 @@ def torchrun(args, timeout: float = 180):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     job = subprocess.Popen([*TORCHRUN, "train_ddp.py", *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE, text=True)
-    lines, first_error = [], None
-    deadline = time.time() + timeout
-    try:
+    lines, first_error = [], []
+
+    def read() -> None:  # in a thread: the deadline holds also while no line comes
         for line in job.stderr:
             lines.append(line)
-            if first_error is None and "error: " in line:
-                first_error = time.time()
-            assert time.time() < deadline, "".join(lines)
-        job.wait(timeout=max(1, deadline - time.time()))
+            if not first_error and "error: " in line:
+                first_error.append(time.time())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        job.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("".join(lines)) from None
     finally:
         if job.poll() is None:
             job.kill()
             job.wait(timeout=60)
-    return job.returncode, "".join(lines), (time.time() - first_error) if first_error else None
+        reader.join(timeout=60)
+    return job.returncode, "".join(lines), (time.time() - first_error[0]) if first_error else None
 
 
 def test_rank_zero_write_failure_ends_the_ddp_job_promptly_with_one_line(tiny_data, small_disk):

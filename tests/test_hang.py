@@ -140,9 +140,10 @@ def test_frozen_ranks_are_restarted_and_the_run_ends_at_the_uninterrupted_weight
                                                                                    tmp_path):
     run = tmp_path / "run"
     args = tiny_args(tiny_data, run, *REFERENCE_STEPS, "--dist_timeout_s", str(TIMEOUT_S), "--resume", "auto", *extra)
+    log = open(tmp_path / "job.log", "w+")  # a file, not a pipe: nobody reads until the end, and a full pipe blocks
     job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                             f"--max-restarts={len(specs)}", *freezing(specs, script, *args)[1:]],
-                           cwd=REPO, env=RESTARTABLE, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                           cwd=REPO, env=RESTARTABLE, text=True, stdout=log, stderr=subprocess.STDOUT)
     took, frozen = [], {}
     try:
         deadline = time.monotonic() + 300
@@ -158,10 +159,13 @@ def test_frozen_ranks_are_restarted_and_the_run_ends_at_the_uninterrupted_weight
                     os.kill(pid, signal.SIGKILL)
                     del frozen[pid]
             time.sleep(0.02)
-        output = job.stdout.read()
     finally:
         if job.poll() is None:
             job.kill()
+            job.wait(timeout=60)
+        log.seek(0)
+        output = log.read()
+        log.close()
     assert job.returncode == 0, output[-4000:]
     assert len(took) == sum(not spec.endswith(":kill") for spec in specs) and max(took) < 2 * TIMEOUT_S, took
     assert len(re.findall(r"resumed from \S+ at step \d+", output)) == len(specs), output[-4000:]
