@@ -40,7 +40,7 @@ from utils.checkpoint import TrainState, save_checkpoint  # noqa: E402
 from utils.config import build_config  # noqa: E402
 from utils.parallel.fsdp import finish_sharded_checkpoint, save_sharded_checkpoint, sharded_payload  # noqa: E402
 from utils.precision import make_grad_scaler  # noqa: E402
-from utils.training import checkpoint_payload  # noqa: E402
+from utils.training import checkpoint_payload, exit_process  # noqa: E402
 
 SIZES = ("full_size", "vit_mp")
 SINGLE, ASYNC, DD = "single (train.py)", "dcp async: step waits", "dd conv=fsync (same)"
@@ -194,4 +194,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main(), joined=True)  # its gloo group's threads outlive destroy_process_group: no interpreter shutdown

@@ -2,7 +2,7 @@
 
 Started as the ranks of one job (RANK, WORLD_SIZE, MASTER_PORT set), with a JSON list of
 [script, [args...]] (a training script: each run gets a --run_dir of its own) or [script, [args...], false] (a
-script without one) and a repeat count. Each rank imports torch and the project once, then forks one
+script without one; "{run_dir}" in its args becomes the run's own folder) and a repeat count. Each rank imports torch and the project once, then forks one
 child per run: the children of all ranks meet at MASTER_PORT + k, run the script as `python SCRIPT`
 does (its __main__, through run_cli) and end as that process would, interpreter shutdown included.
 The rank prints one JSON line per run: the script, the run and the child's exit status (a negative
@@ -33,8 +33,9 @@ def main() -> None:
             pid = os.fork()
             if pid == 0:  # the run: it never returns here, it ends as the script's own process would
                 os.environ["MASTER_PORT"] = str(port + k)
-                own = ["--run_dir", str(run_root / f"{k:02d}_{Path(script).stem}")] if run_dir != [False] else []
-                sys.argv = [script, *args, *own]
+                folder = str(run_root / f"{k:02d}_{Path(script).stem}")
+                own = ["--run_dir", folder] if run_dir != [False] else []
+                sys.argv = [script, *[a.replace("{run_dir}", folder) for a in args], *own]
                 os.chdir(REPO)
                 runpy.run_path(str(REPO / script), run_name="__main__")
                 sys.exit(0)

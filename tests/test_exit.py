@@ -35,7 +35,11 @@ def test_every_distributed_script_exits_0_every_time(tiny_data, vit_data, tmp_pa
         ("train_pp.py", vit_args(vit_data, "-", *ONE_STEP, "--pp", "2", "--pp_microbatches", "2")),
     ]
     runs = [(script, without_run_dir(args)) for script, args in runs]
-    runs.append(("comm_check.py", ["--max-bytes", "64KiB", "--seconds-per-size", "0.01"], False))  # no --run_dir
+    # The other entry points that join a gloo group (no --run_dir): the network check, a scaling worker (DDP)
+    runs.append(("comm_check.py", ["--max-bytes", "64KiB", "--seconds-per-size", "0.01"], False))
+    worker = ["--worker", "--out", "{run_dir}", "--steps", "1", "--warmup", "2", "--rounds", "1", "--batch", "2",
+              "--global-batch", "4", "--bucket-caps", "0.01", "--", *without_run_dir(tiny_args(tiny_data, "-"))]
+    runs.append(("benchmarks/scaling.py", worker, False))
     proc = run_script("tests/exit_stress.py", json.dumps(runs), str(REPEATS), str(tmp_path), ranks=2, timeout=600)
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(results) == 2 * REPEATS * len(runs), proc.stdout[-2000:] + proc.stderr[-2000:]
