@@ -135,6 +135,8 @@ def _swin_block(shape: SwinIRShape, heads: int, p: Precision, kernel: str, shift
 
     layers = [Layer("swin_blocks", t * c * st, unit_input=True),           # block input, saved by norm1
               layer(LN_STATS_BYTES, c * a, c * a + c * st)]                 # norm1 (statistics)
+    head_dim = c // (heads * tp)  # SDPA's heads on CUDA: padded to the kernels' multiple by the model
+    padded = heads * (head_dim + _sdpa_head_pad(head_dim))
     if kernel == "explicit":
         layers += [
             layer(c * a, 3 * cs * a, 3 * cs * a + 2 * c * a),      # qkv: its input, the norm1 output in windows
@@ -149,8 +151,6 @@ def _swin_block(shape: SwinIRShape, heads: int, p: Precision, kernel: str, shift
         # in 18 of 36 blocks, these, in a batch-4 profile on an H200; what it saves was not measured). It keeps q, k,
         # v, its output (all padded copies: the model pads the heads), the fp32 log-sum-exp and that bias; proj's
         # input is a copy of the output's unpadded part.
-        head_dim = c // (heads * tp)
-        padded = heads * (head_dim + _sdpa_head_pad(head_dim))
         qkv_out = 3 * padded * a + padded * a + (cs * a if padded != cs else 0.0)
         layers += [
             layer(c * a, 3 * cs * a, 3 * cs * a + 2 * c * a),
@@ -163,8 +163,6 @@ def _swin_block(shape: SwinIRShape, heads: int, p: Precision, kernel: str, shift
         # precision is upcast, torch's default) and saves the scaled q and k, v and the probabilities, all fp32
         # and as wide as the model pads the heads; the bias itself is not saved. Its output, cast back, is sliced
         # and copied for proj, which saves that copy.
-        head_dim = c // (heads * tp)
-        padded = heads * (head_dim + _sdpa_head_pad(head_dim))
         att32 = heads * n * 4  # the logits, probabilities and their gradients: fp32 here
         bias = heads * n * a if shifted else 0.0  # a shifted block's bias, materialised per window
         layers += [
