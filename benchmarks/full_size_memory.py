@@ -12,7 +12,8 @@ fp32; bf16 autocast; bf16 autocast + activation checkpointing per Swin block. It
 2. one measured training step on a reduced field (--step_size, default 48x96 low-res) per setting:
    peak memory (predicted vs measured) and seconds per step (median of --steps, in --repeats
    rounds over all settings because other processes may share the CPU), and ratios to fp32;
-3. the estimate on the GPU path (SDPA's math fallback, LayerNorm in fp32 under autocast): measured on an H200;
+3. the estimate on the GPU path (SDPA's memory-efficient kernel, LayerNorm in fp32 under autocast): measured on an
+   H200;
 4. a PNG of memory by category for the three settings (default docs/memory_by_category.png).
 
     python benchmarks/full_size_memory.py --no_full_forward      # ~15 min on 2 busy cores
@@ -185,8 +186,8 @@ def plot(estimates: dict, measured: dict, path: Path) -> None:
                        label=f"activations measured at full size ({how})")
             ax.set_title("This CPU: explicit window attention\n(estimate; activations measured)", fontsize=10)
         else:
-            ax.set_title("A GPU: SDPA's math fallback (fp32), LayerNorm in fp32\n"
-                         "(modelled; an H200 measured it within 0.1 %)", fontsize=10)
+            ax.set_title("A GPU: SDPA's memory-efficient kernel, LayerNorm in fp32\n"
+                         "(modelled; an H200 measured each peak within 0.5 %)", fontsize=10)
         ax.set_xlabel("autocast dtype + activation checkpointing")
     axes[0].set_ylabel("GB per training step (peak)")
     axes[0].set_ylim(0, max(bottoms) * 1.3 + 5)

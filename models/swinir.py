@@ -49,8 +49,8 @@ MASKED_LOGIT = -100.0
 DIV2K_RGB_MEAN = (0.4488, 0.4371, 0.4040)
 # CUDA's memory-efficient attention (the fused kernel that takes a bias and returns its gradient)
 # needs head_dim % 8 == 0; the tutorial's 180 channels / 6 heads = 30 is padded to 32 there. It also
-# needs the bias's last dimension contiguous: in training on an H200 (torch 2.11) only shifted blocks at
-# batch > 1 ran it, the others SDPA's math fallback (benchmarks/README.md, "The GPU check").
+# needs the bias's last dimension contiguous, hence relative_position_bias's copy (with a permuted view,
+# an H200 ran SDPA's math fallback in most blocks: benchmarks/README.md, "Measured on a GPU").
 SDPA_HEAD_DIM_MULTIPLE = {"cuda": 8}
 
 
@@ -145,7 +145,7 @@ class WindowAttention(nn.Module):
         """(num_heads, N, N) bias added to the attention logits of every window."""
         n = self.relative_position_index.shape[0]
         bias = self.relative_position_bias_table[self.relative_position_index.view(-1)]
-        return bias.view(n, n, -1).permute(2, 0, 1)
+        return bias.view(n, n, -1).permute(2, 0, 1).contiguous()  # contiguous: CUDA's fused kernel takes it
 
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x: (B * num_windows, N, C); mask: (num_windows, N, N) additive, or None."""

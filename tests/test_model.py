@@ -196,17 +196,21 @@ def test_padded_head_dim_for_fused_kernels_gives_the_same_result(monkeypatch):
 
 
 @pytest.mark.cuda
-def test_cuda_sdpa_equals_the_explicit_formula_with_the_bias_gradient(monkeypatch):
+@pytest.mark.parametrize("shift, batch", [(0, 1), (2, 1), (2, 2)])
+def test_cuda_sdpa_equals_the_explicit_formula_with_the_bias_gradient(monkeypatch, shift, batch):
     """On CUDA, training goes through F.scaled_dot_product_attention with a bias that needs a gradient (a CPU
-    takes the explicit formula): output and every gradient, the bias table's included, must agree."""
+    takes the explicit formula): output and every gradient, the bias table's included, must agree, and the
+    memory-efficient kernel must take the bias (only it allowed: the math fallback would raise)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     cuda = torch.device("cuda")
     torch.manual_seed(0)
-    # head_dim 10: padded to 16 for the fused kernels; shifted windows: a mask per window, 2 images of 6 windows.
-    block = swinir.SwinTransformerBlock(30, (16, 16), num_heads=3, window_size=4, shift_size=2, mlp_ratio=2.0)
+    # head_dim 10: padded to 16 for the fused kernels; shifted windows: a mask per window, 6 windows per image.
+    block = swinir.SwinTransformerBlock(30, (16, 16), num_heads=3, window_size=4, shift_size=shift, mlp_ratio=2.0)
     with torch.no_grad():
         block.attn.relative_position_bias_table.normal_(0, 1)
     block = block.to(cuda)
-    x = torch.randn(2, 8 * 12, 30, device=cuda, requires_grad=True)
+    x = torch.randn(batch, 8 * 12, 30, device=cuda, requires_grad=True)
 
     def output_and_grads():
         out = block(x, (8, 12))
@@ -215,7 +219,8 @@ def test_cuda_sdpa_equals_the_explicit_formula_with_the_bias_gradient(monkeypatc
     previous = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False  # both sides in true fp32
     try:
-        fused = output_and_grads()
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            fused = output_and_grads()
         monkeypatch.setattr(swinir.WindowAttention, "_fused_attention", swinir.WindowAttention._explicit_attention)
         explicit = output_and_grads()
     finally:

@@ -215,3 +215,24 @@ def test_cuda_memory_snapshot_at_the_end_and_at_a_forced_out_of_memory_error(tmp
     assert "segments" in pickle.loads(oom.read_bytes())  # dumped at the failing allocation
     err = capsys.readouterr().err
     assert err.count(f"memory_snapshot: out of memory on cuda:{device.index}") == 1, err
+
+
+def test_gpu_column_counts_kernels_launched_from_any_thread():
+    """Backward's kernels are launched from autograd's thread: the GPU column counts every op that started while
+    the range was open, whatever its thread (the range's device-side copy read 0 for backward on an H200)."""
+    from types import SimpleNamespace
+
+    from utils.observe.profiling import kernel_ms_per_range
+
+    def event(name, start, end, device_us=0.0, thread=1):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), thread=thread,
+                               device_type=SimpleNamespace(name="CPU"), self_device_time_total=device_us)
+
+    ranges = [event("## forward ##", 0, 100), event("## backward ##", 100, 300), event("## optimizer ##", 300, 350)]
+    ops = [event("aten::mm", 10, 20, 500.0), event("aten::add", 30, 40, 250.0),      # forward, main thread
+           event("MmBackward0", 120, 150, 1000.0, thread=2),                           # backward, autograd's thread
+           event("aten::mm", 125, 140, 2000.0, thread=2),
+           event("aten::_foreach_add_", 310, 320, 100.0),
+           event("ProfilerStep#1", 0, 350, 9999.0)]                                    # counted by no range
+    assert kernel_ms_per_range([*ranges, *ops], ranges) == {
+        "## data ##": 0.0, "## forward ##": 0.75, "## backward ##": 3.0, "## optimizer ##": 0.1}

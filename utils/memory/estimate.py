@@ -39,13 +39,11 @@ Which terms are exact and which approximate, for the models and PyTorch 2.14/2.1
   ``lambda_rho``; tests/test_memory.py).
 * modelled, and measured on an H200 (torch 2.11, tests/gpu_check.py): the CUDA attention path. There the
   model calls ``scaled_dot_product_attention`` with the relative-position bias (+ shift mask) as a float mask
-  that needs a gradient. The fused kernels refuse it where its last dimension is not contiguous — the bias is
-  a permuted view — so SDPA runs its math fallback: in fp32 whatever the autocast dtype, saving the scaled q
-  and k, v (padded to the model's head width) and the probabilities; and CUDA autocast runs LayerNorm in fp32,
-  so the residual stream stays fp32. The whole field at batch 1 measured within 0.1 % of these activations in
-  fp32, bf16 and bf16 + AC block (totals +0.4 to +4.4 %). Shifted blocks at batch > 1, whose bias the shift
-  mask's expansion copies, run the memory-efficient kernel (seen in a profile; its saved tensors — q, k, v,
-  the output, the log-sum-exp and the bias — modelled, not yet measured). For the ViT (measured on the H200:
+  that needs a gradient, contiguous, so that the memory-efficient kernel takes it (a permuted view sent SDPA to
+  its math fallback): it saves q, k, v and its output (padded to the model's head width), the log-sum-exp and
+  the bias where it is per window; CUDA autocast runs LayerNorm in fp32, so the residual stream stays fp32.
+  The whole field at batch 1 measured within 0.1 % of these activations in fp32, bf16 and bf16 + AC block
+  (totals −0.5 to −0.3 %); 10 small configs at batch 1–3 within 1.5 %. For the ViT (measured on the H200:
   vit_mp at batch 16, activations within 192 bytes, totals +2.5 % in bf16 and +9 % with AC):
   flash attention for fp16/bf16 (the same saved tensors as the CPU kernel, and two RNG-state
   scalars, not counted), the memory-efficient kernel for fp32 (log-sum-exp padded to 32 rows),

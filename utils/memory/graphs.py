@@ -145,31 +145,18 @@ def _swin_block(shape: SwinIRShape, heads: int, p: Precision, kernel: str, shift
             layer(cs * a, cs * a, att + 2 * cs * a),               # probs @ v: contiguous copy of v
             layer(cs * a, c * a, cs * a + c * a),                  # proj: its input
         ]
-    elif shifted and batch > 1:
-        # CUDA, a shifted block at batch > 1: the shift mask's expansion to every image copies the bias into a
-        # contiguous (windows x images, heads, N, N) tensor, which the fused memory-efficient kernel takes (it ran
-        # in 18 of 36 blocks, these, in a batch-4 profile on an H200; what it saves was not measured). It keeps q, k,
-        # v, its output (all padded copies: the model pads the heads), the fp32 log-sum-exp and that bias; proj's
-        # input is a copy of the output's unpadded part.
+    else:
+        # CUDA: the memory-efficient kernel (the model hands SDPA a contiguous bias, which it takes; with a permuted
+        # view an H200 ran the math fallback instead). It keeps q, k, v, its output (all padded copies: the model
+        # pads the heads), the fp32 log-sum-exp and the bias as SDPA got it: per window only in a shifted block
+        # (bias + shift mask; at batch > 1 expanded to every image), one (heads, N, N) for all windows otherwise.
+        # Its backward writes the bias gradient per (image, window) before it is summed back: one attention
+        # matrix. proj's input is a copy of the output's unpadded part.
+        bias = att if shifted else 0.0
         qkv_out = 3 * padded * a + padded * a + (cs * a if padded != cs else 0.0)
         layers += [
-            layer(c * a, 3 * cs * a, 3 * cs * a + 2 * c * a),
-            layer(qkv_out + 4 * heads + att, padded * a + att, 4 * padded * a + att),
-        ]
-    else:
-        # CUDA, the other blocks: SwinIR's relative-position bias is a permuted view (its last dimension is not
-        # contiguous), which the fused kernels refuse, so SDPA runs its math fallback (measured on an H200, torch
-        # 2.11: every block at batch 1, tests/gpu_check.py). It computes in fp32 whatever the autocast dtype (low
-        # precision is upcast, torch's default) and saves the scaled q and k, v and the probabilities, all fp32
-        # and as wide as the model pads the heads; the bias itself is not saved. Its output, cast back, is sliced
-        # and copied for proj, which saves that copy.
-        att32 = heads * n * 4  # the logits, probabilities and their gradients: fp32 here
-        bias = heads * n * a if shifted else 0.0  # a shifted block's bias, materialised per window
-        layers += [
-            layer(c * a, 3 * cs * a, 3 * cs * a + 2 * c * a),                       # qkv: its input
-            layer(3 * padded * 4 + att32, 3 * padded * a + 3 * padded * 4 + bias + 2 * att32,
-                  3 * att32 + 6 * padded * 4 + bias),                               # q k^T, softmax, probs @ v
-            layer(cs * a, c * a, cs * a + c * a),                                   # proj: its input
+            layer(c * a, 3 * cs * a, 3 * cs * a + 2 * c * a),                     # qkv: its input
+            layer(qkv_out + 4 * heads + bias, padded * a + bias, 4 * padded * a + att),  # attention, proj's input
         ]
     layers += [
         layer(c * st + LN_STATS_BYTES, c * a, c * a + c * st),  # norm2: the mid-block residual, statistics
