@@ -60,7 +60,7 @@ case "$SITE" in
     # Modules to load, space separated (the conda of the cluster); `module avail` lists the names.
     MODULES=${MODULES-anaconda3}
     # Slingshot: NCCL needs the aws-ofi-nccl plugin; point NCCL_PLUGIN_DIR at its lib/ if your
-    # environment does not bring it. GPUDirect RDMA to the NICs had to be limited (LOC) for NCCL to run.
+    # environment does not bring it. NREL's tutorial had to limit GPUDirect RDMA to the NICs (LOC) for NCCL to run.
     NCCL_PLUGIN_DIR=${NCCL_PLUGIN_DIR-}
     export NCCL_NET_GDR_LEVEL=${NCCL_NET_GDR_LEVEL:-LOC}
     ;;

@@ -6,8 +6,9 @@
 #
 # Site settings (SITE, PYTHON_ENV, MODULES, ...) are the ones documented at the top of
 # submit_multinode.sh, which this job runs with LAUNCHER=python; PYTHON_ENV defaults to era5-scaling,
-# the conda environment of conda-env.yml (docs/setup.md). Account, partition and constraint as there:
-# SBATCH_ACCOUNT, SBATCH_CONSTRAINT=gpu and SBATCH_QOS=shared (Perlmutter: a quarter node).
+# the conda environment of conda-env.yml (docs/setup.md). Account, partition and constraint as there;
+# on Perlmutter add `-q shared` (one GPU of a shared node; the exports' SBATCH_QOS=regular takes whole nodes),
+# on Kestrel `--mem 80G` (a job gets 1 GB per core unless it asks): docs/quickstart-cluster.md.
 # Long runs: as submit_multinode.sh (SIGUSR1 before the time limit -> checkpoint, stop, requeue, resume).
 #SBATCH --job-name=era5-1gpu
 #SBATCH --nodes=1

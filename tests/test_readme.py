@@ -665,20 +665,22 @@ def _run_dir(launch: Launch) -> tuple[str, bool]:
 def test_every_training_command_has_its_own_run_dir():
     """A fresh run into a folder that holds another run stops (unless --resume): so every training command
     of the pages writes its own run_dir, and a --resume line comes after the line that wrote that run."""
-    written: dict[str, str] = {}
+    written: dict[str, tuple[str, tuple]] = {}
     problems = []
     for command in COMMANDS:
         launch = launch_of(command.text)
         if launch is None or not launch.script.startswith("train") or command.expected_exit:
             continue  # a command the page shows refused writes nothing (the run_dir is made after the model)
         run_dir, resume = _run_dir(launch)
+        run = (launch.script, tuple(launch.args))  # the same run, whatever each site's sbatch options
         if resume:
             if run_dir not in written:
                 problems.append(f"{command.id}: resumes {run_dir}, which no earlier command writes")
-        elif run_dir in written and written[run_dir] != command.text:
-            problems.append(f"{command.id}: writes {run_dir}, as {written[run_dir]!r} does already")
+        elif run_dir in written and written[run_dir] != run:
+            problems.append(f"{command.id}: writes {run_dir}, as {' '.join(written[run_dir][:1] + written[run_dir][1])!r} "
+                            "does already")
         else:
-            written[run_dir] = command.text
+            written[run_dir] = run
     assert not problems, "\n".join(problems)
 
 
@@ -738,9 +740,10 @@ def test_activation_comes_before_the_first_bare_command():
         if not bare:
             continue
         first_bare = min(c.line for c in bare)
-        activate = text.find("source .venv/bin/activate")
+        found = [i for i in (text.find("source .venv/bin/activate"), text.find("conda activate")) if i >= 0]
+        activate = min(found, default=-1)  # the laptop's .venv, or a cluster's conda environment
         assert activate >= 0 and text[:activate].count("\n") + 1 < first_bare, (
-            f"{page.name}: `source .venv/bin/activate` must come before line {first_bare}")
+            f"{page.name}: `source .venv/bin/activate` (or `conda activate`) must come before line {first_bare}")
 
 
 def github_anchor(heading: str) -> str:
@@ -795,3 +798,34 @@ def test_pages_are_short_with_unique_headings_and_working_links():
                 if anchor not in anchors[resolved]:
                     problems.append(f"{page.name}: link to {target}: no heading with that anchor")
     assert not problems, "\n".join(problems)
+
+
+def _part1_path() -> dict[str, str]:
+    """Part I's table of steps: anchor -> "minimum" or "depth"."""
+    text = (REPO / "docs" / "part1-swinir.md").read_text()
+    return dict(re.findall(r"^\| \[[^\]]+\]\(#([^)]+)\) \| (minimum|depth) \|", text, re.M))
+
+
+def test_a_newcomer_reaches_a_two_node_job_in_one_short_route():
+    """The reader's path: the README's first screen points at the cluster quickstart, which fits one screen per
+    site; every page opens with what it needs, runs and takes; Part I marks its minimum path; and the core path
+    (README + cluster quickstart + Part I's introduction and minimum steps) stays under 12,000 words."""
+    readme = (REPO / "README.md").read_text()
+    quickstart = (REPO / "docs" / "quickstart-cluster.md").read_text()
+    assert "docs/quickstart-cluster.md" in "\n".join(readme.splitlines()[:30]), "README's first screen: the quickstart"
+    assert quickstart.count("\n") <= 150, "docs/quickstart-cluster.md: one screen per site, 150 lines at most"
+    assert "sbatch --nodes 2 " in quickstart and "Kestrel" in quickstart and "Perlmutter" in quickstart
+    for name in ("part1-swinir", "part2-vit", "part3-unet3d", "part4-your-model", "beyond-data-parallel",
+                 "performance", "quickstart-cluster"):
+        opening = "\n".join((REPO / "docs" / f"{name}.md").read_text().splitlines()[:25])
+        for cue in ("**You need**", "**You will run**", "**It takes**"):
+            assert cue in opening, f"docs/{name}.md: its first 25 lines say {cue}"
+    path = _part1_path()
+    minimum = [anchor for anchor, kind in path.items() if kind == "minimum"]
+    assert minimum == ["step-0a-the-baseline", "step-3a-ddp-on-one-node", "step-4-jobs-on-a-slurm-cluster",
+                       "step-5-ddp-on-several-nodes"], minimum
+    part1 = (REPO / "docs" / "part1-swinir.md").read_text()
+    sections = {github_anchor(s.split("\n", 1)[0]): s for s in re.split(r"(?m)^## ", part1)[1:]}
+    core = readme + quickstart + part1.split("\n## ", 1)[0] + "".join(sections[a] for a in minimum)
+    words = len(core.split())
+    assert words <= 12_000, f"the core path is {words} words: move depth out of it"
