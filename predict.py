@@ -51,7 +51,7 @@ from utils.observe.scores import bicubic_upsample
 from utils.parallel.distributed import barrier, cleanup_distributed, init_distributed, read_dist_env
 from utils.precision import AMP_DTYPES, autocast
 from utils.predict.checkpoints import config_from_checkpoint, load_model, output_shape, read_checkpoint
-from utils.predict.inputs import (ASSUMED_HOURS, Boxes, CoarseFields, Inputs, SplitFields, hours_to_delta, select,
+from utils.predict.inputs import (Boxes, CoarseFields, Inputs, SplitFields, hours_to_delta, select,
                                   shown)
 from utils.predict.store import Layout, Store, channel_values, output_format, xarray
 from utils.predict.tiles import DEFAULT_OVERLAP, tile_spans, tiled
@@ -227,16 +227,18 @@ class Predictor:
 
 
 def layout_for(cfg, inputs: Inputs, out_shape, scale: int, steps: Optional[int]) -> Layout:
-    leads = None
+    leads = step = None
     if steps is not None:
-        hours = inputs.hours_per_step()
-        if hours is None:
-            inputs.notes.append(f"prediction_timedelta: {ASSUMED_HOURS:g} h per sample assumed (the data records no "
-                                "step)")
-        leads = hours_to_delta(np.arange(1, steps + 1) * cfg.data.lead * (hours or ASSUMED_HOURS))
+        step = inputs.step()
+        if step.assumed:
+            inputs.notes.append(f"prediction_timedelta: {step} per sample assumed (the data records no step)")
+        counts = np.arange(1, steps + 1) * cfg.data.lead * step.count
+        # A month is no fixed duration: its leads stay counts of months (a scorer matches time + months).
+        leads = hours_to_delta(counts) if step.unit == "h" else counts
     channels = list(cfg.data.channel_names) or [f"channel {c}" for c in range(out_shape[0])]
     units = getattr(inputs, "units", None) or [None] * len(channels)
-    return Layout(channels, units, inputs.dim, inputs.grid(scale, out_shape[1:]), leads)
+    return Layout(channels, units, inputs.dim, inputs.grid(scale, out_shape[1:]), leads,
+                  step.times(cfg.data.lead) if step else None)
 
 
 def describe(cfg, saved, args, inputs: Inputs, chosen: list[int], steps: Optional[int]) -> tuple[dict, dict, dict]:
@@ -318,7 +320,7 @@ def main(argv=None) -> int:
     predictor = Predictor(model, device, args, steps)
     if rank == 0:
         resumed = f", {sum(len(units[u]) for u in done)} written before" if done else ""
-        what = f"{steps} steps of {layout.leads[0] / np.timedelta64(1, 'h'):g} h from each " if steps else ""
+        what = f"{steps} steps of {layout.lead_text} from each " if steps else ""
         print(f"predict: {cfg.data.task} with {saved.path} (step {saved.step}) on {device}: {what}{len(chosen)} of "
               f"{inputs.count(len(inputs))}{resumed}, {world} rank{'s' if world > 1 else ''}", flush=True)
         how = f"in {args.tile}-cell tiles" if args.tile else "whole"

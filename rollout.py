@@ -16,8 +16,9 @@ the same samples.
 Initial conditions: --samples start times evenly spaced over the split (0 = all), each with its K
 steps inside one file. Writes ``<out>/rollout.json`` (every metric per lead and channel) and
 ``<out>/rollout.png`` (RMSE and ACC against lead time for the key channels); ``<out>`` defaults to
-``<run_dir>/rollout/``. The lead time in hours comes from the data's ``hours_per_step`` attribute
-(6 h, NERSC's spacing, when the files lack it).
+``<run_dir>/rollout/``. Lead times are counts of the data's own step, in its unit ("6 h", "1 month": the
+``time_step`` that datasets/convert.py records, or ``hours_per_step``); 6 h, NERSC's spacing, where the files
+record none, said in the output.
 """
 
 from __future__ import annotations
@@ -25,9 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Optional
 
-import h5py
 import torch
 from torch.utils.data import Subset
 
@@ -35,15 +34,13 @@ from models import fixed_input_size
 from utils.checkpoint import ensure_writable_dir, replaced_atomically, reporting_write_failures
 from utils.config import Config, ConfigError
 from utils.data.common import DataError, evenly_spaced
-from utils.data.era5 import FIELDS_KEY, ERA5Dataset, scan_split
+from utils.data.era5 import ERA5Dataset, scan_split, split_step
 from utils.observe.logger import json_safe
 from utils.precision import autocast
 from utils.predict.checkpoints import config_from_checkpoint, load_model, read_checkpoint
 from utils.tasks import Forecast, build_task
 from utils.training import OneLineParser, configure_backends, pick_device, run_cli
 
-HOURS_ATTR = "hours_per_step"  # optional attribute of ``fields`` (the synthetic generator writes it)
-ASSUMED_HOURS = 6.0  # NERSC's ERA5 spacing
 FORECASTER = "rollout needs a forecaster (task forecast, Part II's ViT)"
 METRICS = ("rmse", "acc", "persistence_rmse", "persistence_acc", "climatology_rmse", "climatology_acc")
 CURVES = (("", "model", "o-"), ("persistence_", "persistence", "s--"), ("climatology_", "climatology", "^:"))
@@ -83,12 +80,6 @@ def open_split(cfg: Config, split_dir: Path, steps: int) -> ERA5Dataset:
     return dataset
 
 
-def hours_per_step(dataset: ERA5Dataset) -> Optional[float]:
-    with h5py.File(dataset.files[0].path, "r") as f:
-        value = f[FIELDS_KEY].attrs.get(HOURS_ATTR)
-    return None if value is None else float(value)
-
-
 # -------------------------------------------------------------------------------------- rollout
 
 
@@ -121,21 +112,21 @@ def save_rollout_png(path: Path, result: dict, shown: list[int], dpi: int = 110)
     """RMSE (top) and ACC (bottom) against lead time, one column per channel in ``shown``."""
     from matplotlib.figure import Figure  # no pyplot: no global figure state, Agg canvas on save
 
-    hours, names = result["lead_hours"], result["channel_names"]
+    leads, names = result["lead_times"], result["channel_names"]
     fig = Figure(figsize=(3.6 * len(shown) + 0.4, 5.8), layout="constrained")
     axes = fig.subplots(2, len(shown), squeeze=False, sharex=True)
     for column, channel in enumerate(shown):
         for row, metric in enumerate(("rmse", "acc")):
             ax = axes[row, column]
             for prefix, label, style in CURVES:
-                ax.plot(hours, [lead[channel] for lead in result["metrics"][prefix + metric]], style, label=label)
+                ax.plot(leads, [lead[channel] for lead in result["metrics"][prefix + metric]], style, label=label)
             ax.grid(alpha=0.3)
             ax.set_title(f"{names[channel]} {metric.upper()}", fontsize=10)
-        axes[1, column].set_xlabel("lead time (h)")
+        axes[1, column].set_xlabel(f"lead time ({result['lead_unit']})")
     axes[0, 0].set_ylabel("RMSE (physical units)")
     axes[1, 0].set_ylabel("ACC")
     axes[0, 0].legend(fontsize=8)
-    assumed = " (6 h per step assumed)" if result["hours_per_step_assumed"] else ""
+    assumed = f" ({result['time_step']} per step assumed)" if result["time_step_assumed"] else ""
     fig.suptitle(f"{result['config']} step {result['step']}: {result['initial_conditions']} initial conditions, "
                  f"{result['split']}{assumed}", fontsize=10)
     with replaced_atomically(path) as temporary:
@@ -145,10 +136,10 @@ def save_rollout_png(path: Path, result: dict, shown: list[int], dpi: int = 110)
 def format_table(result: dict, channel: int) -> str:
     name = result["channel_names"][channel]
     lines = [f"{name}: RMSE of model, persistence and climatology; model ACC",
-             f"{'lead (h)':>9s} {'model':>11s} {'persistence':>11s} {'climatology':>11s} {'ACC':>7s}"]
+             f"{'lead (' + result['lead_unit'] + ')':>9s} {'model':>11s} {'persistence':>11s} {'climatology':>11s} {'ACC':>7s}"]
     m = result["metrics"]
-    for k, hours in enumerate(result["lead_hours"]):
-        lines.append(f"{hours:9g} {m['rmse'][k][channel]:11.4g} {m['persistence_rmse'][k][channel]:11.4g} "
+    for k, lead in enumerate(result["lead_times"]):
+        lines.append(f"{lead:9g} {m['rmse'][k][channel]:11.4g} {m['persistence_rmse'][k][channel]:11.4g} "
                      f"{m['climatology_rmse'][k][channel]:11.4g} {m['acc'][k][channel]:7.3f}")
     return "\n".join(lines)
 
@@ -176,13 +167,11 @@ def main(argv=None) -> int:
     configure_backends(cfg)
     model = load_model(cfg, saved, device)
     step = saved.step
-    hours = hours_per_step(dataset)
-    assumed = hours is None
-    hours = ASSUMED_HOURS if assumed else hours
+    data_step = split_step(dataset.files, split_dir)  # "6 h", "1 month": leads in the data's own unit
     lead = cfg.data.lead
-    note = f"; {HOURS_ATTR} not recorded in the data, assumed {ASSUMED_HOURS:g} h" if assumed else ""
+    note = f"; the data records no time step: assumed {data_step}" if data_step.assumed else ""
     print(f"rollout of {checkpoint} (step {step}) on {split_dir}: {len(starts)} of {len(dataset)} usable start "
-          f"times, {args.steps} step{'s' if args.steps > 1 else ''} of {lead * hours:g} h{note}")
+          f"times, {args.steps} step{'s' if args.steps > 1 else ''} of {data_step.times(lead)}{note}")
 
     leads = roll_out(model, task, dataset, starts, args.steps, lead, device, cfg.train.amp_dtype,
                      cfg.data.val_batch_size or cfg.train.batch_size)
@@ -190,14 +179,14 @@ def main(argv=None) -> int:
         "checkpoint": str(checkpoint), "step": step, "config": cfg.name, "data_dir": str(cfg.data.data_dir),
         "split": cfg.data.valid_split, "channel_names": list(cfg.data.channel_names),
         "lead_steps": list(range(1, args.steps + 1)), "samples_per_step": lead,
-        "lead_hours": [k * lead * hours for k in range(1, args.steps + 1)],
-        "hours_per_step": hours, "hours_per_step_assumed": assumed,
+        "lead_times": [k * lead * data_step.count for k in range(1, args.steps + 1)], "lead_unit": data_step.unit,
+        "time_step": str(data_step), "time_step_assumed": data_step.assumed,
         "initial_conditions": len(starts), "usable_initial_conditions": len(dataset),
         "start_times": [[dataset.files[f].path.name, day] for f, day in map(dataset.locate, starts)],
         "metrics": {key: [lead_metrics[key] for lead_metrics in leads] for key in METRICS},
     }
-    if assumed:
-        result["note"] = f"the data records no {HOURS_ATTR}; assumed {ASSUMED_HOURS:g} h (NERSC's ERA5)"
+    if data_step.assumed:
+        result["note"] = f"the data records no time step; assumed {data_step} (NERSC's ERA5)"
 
     out = ensure_writable_dir(args.out or run_dir / "rollout")
     shown = shown_channels(cfg)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -203,6 +204,21 @@ def test_forecast_scores_from_the_file_equal_rollouts(vit_reference, vit_data, t
         task.update(accumulators, fields[0:10], forecasts[:, k - 1], fields[k:10 + k])
         for metric in ("rmse", "acc"):
             np.testing.assert_allclose(accumulators[metric].compute(), scored[k - 1][metric], rtol=1e-5)
+
+
+def test_monthly_data_gets_leads_in_months(vit_reference, vit_data, tmp_path, capsys):
+    """A month is a step of the data, not 6 hours (nor any duration): the store's leads are counts of months."""
+    data = Path(shutil.copytree(vit_data, tmp_path / "data"))
+    with h5py.File(data / "valid" / "2015.h5", "a") as f:
+        f["fields"].attrs["time_step"] = "1 month"  # as datasets/convert.py records monthly means
+    out = tmp_path / "monthly.zarr"
+    stdout = run_predict(capsys, "--checkpoint", str(vit_reference), "--data_dir", str(data), "--out", str(out),
+                         "--times", "0:2", "--steps", "2", "--picture", "none")
+    assert "2 steps of 1 month" in stdout and "assumed" not in stdout
+    with xr.open_zarr(out) as ds:
+        assert list(ds.prediction_timedelta.values) == [1.0, 2.0]
+        assert ds.prediction_timedelta.attrs["units"] == "calendar months"
+        assert [str(t)[:10] for t in ds.time.values] == ["2015-01-01", "2015-02-01"]
 
 
 def test_volume_box_whole_and_in_tiles(unet_reference, tmp_path, capsys):

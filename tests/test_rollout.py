@@ -64,8 +64,8 @@ def test_rollout_outputs_and_baselines_by_hand(trained, tmp_path, capsys):
     result, stdout = run_rollout(capsys, out, "--checkpoint", str(run), "--steps", "3", "--samples", "16")
     assert result["checkpoint"] == str(run / "checkpoints" / "step_00000002.pt") and result["step"] == 2
     assert result["channel_names"] == NAMES and result["config"] == "vit_quickstart"
-    assert result["lead_steps"] == [1, 2, 3] and result["lead_hours"] == [6.0, 12.0, 18.0]
-    assert result["hours_per_step_assumed"] is True and "assumed 6 h" in result["note"]
+    assert result["lead_steps"] == [1, 2, 3] and result["lead_times"] == [6.0, 12.0, 18.0]
+    assert result["lead_unit"] == "h" and result["time_step_assumed"] is True and "assumed 6 h" in result["note"]
     # 16 asked, 3 usable: the starts whose 3 steps stay in the 6-sample file.
     assert result["initial_conditions"] == result["usable_initial_conditions"] == 3
     assert result["start_times"] == [["2001.h5", 0], ["2001.h5", 1], ["2001.h5", 2]]
@@ -124,9 +124,21 @@ def test_hours_from_the_data_and_a_dcp_checkpoint(trained, tmp_path, capsys):
     from_file, _ = run_rollout(capsys, tmp_path / "file", "--checkpoint", str(run), *common, "--out", str(tmp_path / "file"))
     assert from_dcp["checkpoint"] == str(tmp_path / "fsdp" / "checkpoints" / "step_00000002") and from_dcp["step"] == 2
     assert (tmp_path / "fsdp" / "rollout" / "rollout.png").is_file()
-    assert from_dcp["lead_hours"] == [3.0, 6.0] and from_dcp["hours_per_step_assumed"] is False
+    assert from_dcp["lead_times"] == [3.0, 6.0] and from_dcp["time_step_assumed"] is False
     assert "note" not in from_dcp and "assumed" not in stdout
     assert from_dcp["metrics"] == from_file["metrics"]
+
+    # Monthly data (datasets/convert.py records "1 month"): leads are months, never hours assumed.
+    with h5py.File(data / "valid" / "2001.h5", "a") as f:
+        f["fields"].attrs["time_step"] = "1 month"
+    monthly, stdout = run_rollout(capsys, tmp_path / "monthly", "--checkpoint", str(run), *common, "--out",
+                                  str(tmp_path / "monthly"))
+    assert monthly["lead_times"] == [1.0, 2.0] and monthly["lead_unit"] == "month"
+    assert monthly["time_step"] == "1 month" and "2 steps of 1 month" in stdout and "lead (month)" in stdout
+    with h5py.File(data / "valid" / "2001.h5", "a") as f:
+        f["fields"].attrs["time_step"] = "1 fortnight"
+    expect_error_in_process(capsys, "--checkpoint", str(run), *common, "--out", str(tmp_path / "bad"),
+                            script="rollout.py", match="neither hours")
 
 
 def _sr_checkpoint(tmp_path: Path) -> Path:

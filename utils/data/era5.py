@@ -137,14 +137,59 @@ def pair_starts(file: YearFile, lead: int) -> Optional[np.ndarray]:
     return np.concatenate(runs) if runs else np.zeros(0, dtype=np.int64)
 
 
+ASSUMED_STEP_HOURS = 6.0  # NERSC's ERA5 records no step; its samples are 6 h apart
+
+
+@dataclass(frozen=True)
+class Step:
+    """The time between consecutive samples as the data records it ("6 h", "1 month"): a lead time is a count of
+    them, written in their unit. A month is a step of the calendar, not a duration: it has no hours. (The reader's
+    side of datasets/convert.py's Step, which writes the record without importing torch.)"""
+
+    count: float
+    unit: str  # "h" or "month"
+    assumed: bool = False  # the data records none: NERSC's 6 h assumed (said where it is used)
+
+    def times(self, n: float) -> str:
+        """n steps in the data's unit: 2 x "6 h" -> "12 h", 3 x "1 month" -> "3 months"."""
+        count = self.count * n
+        return f"{count:g} h" if self.unit == "h" else f"{count:g} month{'s' if count != 1 else ''}"
+
+    def __str__(self) -> str:
+        return self.times(1)
+
+    @property
+    def hours(self) -> Optional[float]:
+        return self.count if self.unit == "h" else None
+
+
+def parse_step(text: Optional[str], where: str = "the data") -> Step:
+    """A recorded step ("6 h", "24 h", "1 month", "3 months"); None (no record) -> 6 h, assumed."""
+    if text is None:
+        return Step(ASSUMED_STEP_HOURS, "h", assumed=True)
+    match = re.fullmatch(r"(\d+(?:\.\d+)?) ?(h|months?)", text.strip())
+    if not match or float(match.group(1)) <= 0:
+        raise DataError(f"{where}: its time step {text!r} is neither hours ('6 h') nor months ('1 month'), so no "
+                        f"lead time can be said; fix attribute '{STEP_ATTR}' of '{FIELDS_KEY}' (datasets/convert.py "
+                        "writes it)")
+    return Step(float(match.group(1)), "h" if match.group(2) == "h" else "month")
+
+
+def split_step(files: list[YearFile], where) -> Step:
+    """The one step of a split's files: files that disagree have no lead time between them."""
+    recorded = sorted({str(f.step) for f in files})
+    if len(recorded) > 1:
+        raise DataError(f"{where}: its files record different time steps ({', '.join(recorded)}); a forecast's "
+                        "lead needs one: keep one spacing per split folder")
+    return parse_step(files[0].step, str(where))
+
+
 def lead_time(step: Optional[str], lead: int) -> str:
     """A forecast's lead in the data's own unit: ("6 h", 2) -> "12 h", ("1 month", 3) -> "3 months"; in steps
     where the files record none."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?) ?(h|[a-z]+?)s?", step or "")
-    if not match:
+    if step is None:
         return f"{lead} step{'s' if lead != 1 else ''}"
-    count, unit = float(match.group(1)) * lead, match.group(2)
-    return f"{count:g} {unit}{'s' if unit != 'h' and count != 1 else ''}"
+    return parse_step(step).times(lead)
 
 
 def check_channels(file: YearFile, in_chans: int) -> None:

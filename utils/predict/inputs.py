@@ -5,7 +5,7 @@ the truth; the coordinates of the output; which items to predict (``--times``).
   Task sr: the input is the field downsampled as in training (bicubic by ``upscale``), the truth the field itself;
   task forecast: the input is the field, the truth at lead k the sample k x lead later in the same run of times.
   Times come from the file's ``time`` dataset (datasets/convert.py writes it), else from the file's year and its
-  step (``time_step`` / ``hours_per_step``; 8760 h / samples when neither is recorded); the grid is the layout's:
+  step (``time_step`` / ``hours_per_step``, hours or calendar months; 8760 h / samples when neither is recorded); the grid is the layout's:
   rows from 90N to 90S with both poles stored (the last row dropped, as the loader does), columns east from 0.
 - :class:`CoarseFields`: coarse fields from netCDF / GRIB / Zarr of any centre, read by datasets/foreign.py's
   rules (the caller opens them: an xarray DataArray (time, channel, lat, lon), rows north to south). Task sr only;
@@ -24,18 +24,11 @@ import numpy as np
 import torch
 
 from utils.data.common import DataError, open_h5
-from utils.data.era5 import FIELDS_KEY, ERA5Dataset, YearFile, bicubic_downsample
+from utils.data.era5 import FIELDS_KEY, ERA5Dataset, Step, YearFile, bicubic_downsample, parse_step, split_step
 from utils.data.volume import INPUT_KEY, TARGET_KEY, describe_volume
 
 TIME_KEY = "time"  # datasets/convert.py's hours since 1970 beside ``fields``
 EPOCH = np.datetime64("1970-01-01T00:00", "ns")
-ASSUMED_HOURS = 6.0  # a forecast step where the data records none (NERSC's ERA5)
-
-
-def step_hours(step: Optional[str]) -> Optional[float]:
-    """Hours of a recorded step ("6 h", "24 h"); None for none or another unit ("1 month")."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?) ?h", step or "")
-    return float(match.group(1)) if match else None
 
 
 def hours_to_delta(hours) -> np.ndarray:
@@ -108,12 +101,17 @@ class SplitFields(Inputs):
                 return EPOCH + hours_to_delta(f[TIME_KEY][:])
         if not re.fullmatch(r"\d{4}", file.path.stem):
             return None
-        hours = step_hours(file.step)
-        if hours is None:
+        start = np.datetime64(f"{file.path.stem}-01-01T00:00", "ns")
+        if file.step is None:
             hours = round(8760 / file.days)
             note = f"times: {hours} h apart from 1 January of each file's year (the files record no step)"
             self.notes += [] if note in self.notes else [note]
-        return np.datetime64(f"{file.path.stem}-01-01T00:00", "ns") + hours_to_delta(np.arange(file.days) * hours)
+            return start + hours_to_delta(np.arange(file.days) * hours)
+        step = parse_step(file.step, str(file.path))
+        if step.unit == "month":
+            months = np.datetime64(file.path.stem, "M") + (np.arange(file.days) * step.count).astype(int)
+            return months.astype("datetime64[ns]")
+        return start + hours_to_delta(np.arange(file.days) * step.count)
 
     def read(self, index: int) -> torch.Tensor:
         field = self.dataset.read_field(*self.places[index])
@@ -127,8 +125,9 @@ class SplitFields(Inputs):
             return None  # beyond the file, or across a gap in time
         return self.dataset.read_field(file, later)
 
-    def hours_per_step(self) -> Optional[float]:
-        return step_hours(self.files[0].step)
+    def step(self) -> Step:
+        """The spacing of the split's samples, from its record (6 h assumed where it records none)."""
+        return split_step(self.files, self.dataset.split_dir)
 
     def grid(self, scale: int, shape: Sequence[int]) -> dict[str, tuple[np.ndarray, dict]]:
         stored, width = self.files[0].height, self.files[0].width

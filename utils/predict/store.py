@@ -86,8 +86,12 @@ class Layout:
     """Channels -> data variables (with levels), and the template and regions of the store."""
 
     def __init__(self, channels: Sequence[str], units: Sequence[Optional[str]], item_dim: str,
-                 grid: dict[str, tuple[np.ndarray, dict]], leads: Optional[np.ndarray] = None):
+                 grid: dict[str, tuple[np.ndarray, dict]], leads: Optional[np.ndarray] = None,
+                 lead_text: Optional[str] = None):
+        """``leads``: timedelta64 for steps of hours, counts of months for monthly data (``lead_text``: one
+        forecast step in the data's unit, "6 h", "1 month")."""
         self.channels, self.item_dim, self.grid, self.leads = list(channels), item_dim, grid, leads
+        self.lead_text = lead_text
         self.variables: dict[str, list[tuple[int, Optional[float]]]] = {}
         self.units: dict[str, Optional[str]] = {}
         for index, (channel, unit) in enumerate(zip(channels, units)):
@@ -117,8 +121,11 @@ class Layout:
         and a chunk's fixed cost is paid once a batch)."""
         xr = xarray()
         names = {self.item_dim: (coords, item_attrs), **self.grid}
+        monthly = self.leads is not None and not np.issubdtype(self.leads.dtype, np.timedelta64)
         if self.leads is not None:
-            names["prediction_timedelta"] = (self.leads, {"long_name": "lead time of the forecast"})
+            names["prediction_timedelta"] = (self.leads, {"long_name": "lead time of the forecast", **(
+                {"units": "calendar months", "comment": "monthly data: the verifying time is the initial time plus "
+                 "this many calendar months, no fixed duration"} if monthly else {})})
         if len(self.levels):
             names["level"] = (self.levels, {"units": "hPa", "long_name": "pressure level", "positive": "down",
                                             "standard_name": "air_pressure"})
@@ -136,7 +143,7 @@ class Layout:
         if np.issubdtype(np.asarray(coords).dtype, np.datetime64):
             encoding[self.item_dim] = {"units": "hours since 1970-01-01", "calendar": "proleptic_gregorian",
                                        "dtype": "float64"}
-        if self.leads is not None:
+        if self.leads is not None and not monthly:
             encoding["prediction_timedelta"] = {"units": "hours", "dtype": "float64"}
         return ds, encoding
 
