@@ -294,3 +294,21 @@ def test_missing_data_hint_generates_what_the_config_reads(tmp_path, config, ove
     train, valid = build_loaders(cfg)
     inputs, target = next(iter(train))
     assert inputs.shape[1] == target.shape[1] == cfg.model.in_chans
+
+
+def test_a_named_config_takes_the_channels_and_grid_of_other_data(tmp_path, capsys):
+    """vit_quickstart (20 channels, its own grid) pointed at 3-channel data of another grid: the data's channel
+    count, names, statistics and grid replace the config's, said in one line; what the command line states stays."""
+    root = write_nersc_layout(tmp_path / "data")
+    cfg = build_config("vit_quickstart", {"data_dir": str(root), "patch_size": 4})
+    assert cfg.model.in_chans == 20 and cfg.model.img_size != [H_STORED - 1, W]
+    resolve_from_data(cfg)
+    assert cfg.model.in_chans == C and cfg.data.channel_names == NAMES[:C]
+    assert cfg.data.key_channels and set(cfg.data.key_channels) <= set(NAMES[:C])
+    means = np.load(root / "stats" / "global_means.npy").ravel()
+    assert cfg.model.mean == pytest.approx(means.tolist()) and cfg.model.img_size == [H_STORED - 1, W]
+    said = capsys.readouterr().out
+    assert said.count("\n") == 1 and "in_chans 3 (the config's 20)" in said and "img_size" in said
+    stated = build_config("vit_quickstart", {"data_dir": str(root), "patch_size": 4, "key_channels": ["z500"]})
+    resolve_from_data(stated)
+    assert stated.model.in_chans == C and stated.data.key_channels == ["z500"]

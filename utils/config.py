@@ -301,6 +301,8 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     name: str = "default"
+    stated: frozenset = frozenset()
+    """Keys set on the command line: what the data may not replace (utils/data/era5.py's resolve_from_data)."""
 
     def to_dict(self) -> dict[str, Any]:
         """Flat {key: value}, the form of the YAML and the command line."""
@@ -412,6 +414,7 @@ def build_config(name: str, overrides: Optional[dict[str, Any]] = None, path: Op
     args = {**args[0], **args[1]}  # merged name by name, as --model_args.NAME VALUE is
     for key in [k for k in overrides if k.startswith("model_args.")]:
         args[key[len("model_args."):]] = overrides.pop(key)
+    stated = frozenset(overrides) | (frozenset({"model_args"}) if args else frozenset())
     values.update(overrides, model_args=args)
     if path is not None and values.get("model_class") and not values.get("model_path"):
         values["model_path"] = str(path.resolve().parent)  # your model's module beside your config
@@ -425,7 +428,7 @@ def build_config(name: str, overrides: Optional[dict[str, Any]] = None, path: Op
         section, _ = KEYS[key]
         hint = _resolved_types(SECTIONS[section])[key]
         sections[section][key] = _coerce(key, value, hint)
-    cfg = Config(**{s: SECTIONS[s](**kv) for s, kv in sections.items()}, name=name)
+    cfg = Config(**{s: SECTIONS[s](**kv) for s, kv in sections.items()}, name=name, stated=stated)
     validate(cfg)
     return cfg
 

@@ -44,6 +44,7 @@ from utils.config import ConfigError
 from utils.data.common import (DataError, LazyH5, SubsetWithEpoch, build_dataloader, evenly_spaced, h5_reason, open_h5,
                                relative_note, splitmix64, stable_hash)
 from utils.data.device_pipeline import on_device
+from utils.parallel.distributed import read_dist_env
 from utils.parallel.domain_parallel import BICUBIC_REACH
 
 SUPERBENCH_MEAN = (6.3024, 278.3945, 18.4262)
@@ -518,6 +519,7 @@ def resolve_from_data(cfg) -> list[YearFile]:
                             f"data, or generate a stand-in that this config reads: `{stand_in_command(cfg)}`")
     files = scan_split(root / d.train_split)
     first = files[0]
+    took = _take_channels(cfg, first, root)
     check_channels(first, m.in_chans)
     if not d.channel_names:
         d.channel_names = list(first.names or (f"channel {c}" for c in range(first.channels)))
@@ -533,11 +535,38 @@ def resolve_from_data(cfg) -> list[YearFile]:
             field = (d.crop_size, d.crop_size)
         if d.task == "sr":
             field = (field[0] // m.upscale, field[1] // m.upscale)
-        if field != fixed:
+        if field != fixed and "img_size" not in cfg.stated:
+            m.img_size = list(field)
+            took.append(f"img_size [{field[0]}, {field[1]}] (the config's {fixed[0]}x{fixed[1]})")
+        elif field != fixed:
             raise ConfigError(
                 f"the {m.model} model takes {fixed[0]}x{fixed[1]} inputs (img_size) but the data in {root} gives "
                 f"{field[0]}x{field[1]}; set --img_size [{field[0]}, {field[1]}]")
+    if took and read_dist_env().rank == 0:
+        print(f"data: {root} is not the data of config {cfg.name}; taken from it: {'; '.join(took)} (state a key on "
+              "the command line to keep yours)", flush=True)
     return files
+
+
+def _take_channels(cfg, first: YearFile, root: Path) -> list[str]:
+    """A named config pointed at other data takes the data's channels — their count, names, statistics and which
+    to plot — unless the command line states them; what it took, said once. Nothing when the counts agree."""
+    d, m = cfg.data, cfg.model
+    if first.channels == m.in_chans or "in_chans" in cfg.stated:
+        return []  # check_channels then says what disagrees
+    was, m.in_chans = m.in_chans, first.channels
+    took = [f"in_chans {first.channels} (the config's {was})"]
+    if "channel_names" not in cfg.stated:
+        d.channel_names = list(first.names or (f"channel {c}" for c in range(first.channels)))
+        took.append(f"channel_names [{', '.join(d.channel_names)}]")
+    if "key_channels" not in cfg.stated:
+        kept = [name for name in d.key_channels if name in d.channel_names]
+        d.key_channels = kept or d.channel_names[:3]
+        took.append(f"key_channels [{', '.join(d.key_channels)}]")
+    if "mean" not in cfg.stated and "std" not in cfg.stated:
+        m.mean, m.std = read_stats(root, first.channels)
+        took.append(f"mean and std from {root / STATS_DIR}")
+    return took
 
 
 def build_era5_loaders(cfg, rank: int = 0, world_size: int = 1, bands=None) -> tuple[DataLoader, DataLoader]:
