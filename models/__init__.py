@@ -10,8 +10,10 @@ that returns the model; a built-in model's name stands for its path: ``models.sw
 - for the models of this package, the config's model keys (``embed_dim``, ``depths``, ...: ``--embed_dim 16``);
 - ``model_args``, your model's own arguments from the config (they win).
 
-Then it checks what the techniques rely on: an ``nn.Module`` whose parameters are real (fused AdamW and FSDP2 refuse
-complex ones). Every breach is one line (:class:`ModelError`, exit code 2 in the scripts), not a traceback.
+Then it checks what the techniques rely on: an ``nn.Module``, whose complex parameters (a spectral layer's weights,
+as neuraloperator stores them) it stores as their real view, since fused AdamW, FSDP2 and DCP refuse complex ones
+(:func:`store_complex_as_real`). Every breach is one line (:class:`ModelError`, exit code 2 in the scripts), not a
+traceback.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import inspect
 import sys
 from typing import Any, Callable, Optional
 
+import torch
 import torch.nn as nn
+from torch.nn.utils import parametrize
 
 from .swinir import SwinIR
 from .unet3d import UNet3D
@@ -92,6 +96,7 @@ def build_model(cfg) -> nn.Module:
     except (TypeError, ValueError) as error:  # a constructor's own check of its arguments
         raise ModelError(f"{cfg.model_class}({_shown(kwargs)}): {str(error).splitlines()[0]}") from error
     check_contract(model, cfg.model_class)
+    store_complex_as_real(model)
     return model
 
 
@@ -99,11 +104,28 @@ def check_contract(model: Any, name: str) -> None:
     """What every technique relies on, said at build time (not three layers down in fused AdamW or FSDP2)."""
     if not isinstance(model, nn.Module):
         raise ModelError(f"{name} returned a {type(model).__name__}, not a torch.nn.Module")
-    complex_ = [n for n, p in model.named_parameters() if p.is_complex()]
-    if complex_:
-        raise ModelError(f"{name}: parameter {complex_[0]} is complex ({len(complex_)} in all), which fused AdamW, "
-                         "FSDP2 and DCP refuse: store it real, as w = nn.Parameter(torch.view_as_real(c)), and use "
-                         "torch.view_as_complex(w) in forward (docs/part4-your-model.md)")
+
+
+class _ComplexFromReal(nn.Module):
+    """The parametrization: the stored parameter is real (..., 2), the module reads a complex view of it."""
+
+    def forward(self, real: torch.Tensor) -> torch.Tensor:
+        return torch.view_as_complex(real)
+
+    def right_inverse(self, value: torch.Tensor) -> tuple[torch.Tensor]:
+        return (torch.view_as_real(value),)  # a sequence: parametrize lets only those change the dtype
+
+
+def store_complex_as_real(model: nn.Module) -> list[str]:
+    """Each complex parameter stored as its real view (``torch.nn.utils.parametrize``): fused AdamW, FSDP2's
+    sharding and DCP see real numbers, while the model's own code, unchanged, still reads a complex tensor (a view
+    of the same memory, no copy). AdamW on the real view is AdamW on the complex numbers (torch's own optimizer
+    views them so). In checkpoints the weight is ``<module>.parametrizations.<name>.original0``. Returns the names."""
+    names = [n for n, p in model.named_parameters() if p.is_complex()]
+    for name in names:
+        owner, _, attribute = name.rpartition(".")
+        parametrize.register_parametrization(model.get_submodule(owner), attribute, _ComplexFromReal(), unsafe=True)
+    return names
 
 
 def _arguments(target: Callable, name: str) -> dict[Optional[str], bool]:

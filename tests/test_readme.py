@@ -151,19 +151,18 @@ CPU_RUN = {
     "--members 8-9 --split valid=2017":
         "python datasets/convert.py datasets/real/era5-levels-members.grib --out runs/era5_sample --members 8-9 "
         "--split valid=2017 --quiet",
-    "python datasets/check_data.py --config quickstart --data_dir datasets/real/era5_sample --in_chans 4 "
-    "--channel_names '[]' --mean '[]' --std '[]'": "... --data_dir runs/era5_sample",
-    "python train.py --config quickstart --data_dir datasets/real/era5_sample --in_chans 4 --channel_names '[]' "
-    "--mean '[]' --std '[]' --loss_space normalized --batch_size 4 --lr_gamma 0.98 --max_steps 600 --val_every 150 "
-    "--log_every 150 --run_dir runs/era5_sample":
+    "python datasets/check_data.py --config quickstart --data_dir datasets/real/era5_sample":
+        "... --data_dir runs/era5_sample",
+    "python train.py --config quickstart --data_dir datasets/real/era5_sample --loss_space normalized --batch_size 4 "
+    "--lr_gamma 0.98 --max_steps 600 --val_every 150 --log_every 150 --run_dir runs/era5_sample":
         "... --data_dir runs/era5_sample --max_steps 2 --val_every 2 --log_every 1 --run_dir runs/era5_sample_run",
     # datasets/README.md, "Data from another centre": Debian's ferret-datasets (tests/install_slurm.sh installs it),
     # converted into the scratch copy's runs/ rather than through its link to the repository's datasets/real
     "python datasets/convert.py /usr/share/ferret-vis/data/monthly_navy_winds.cdf --out datasets/real/navy_winds "
     "--channels u10,v10 --rename UWND=u10,VWND=v10 --train-years 1982 1983 1984 1985 1986 1987 1988 1989 1990 "
     "--valid-years 1991 1992 --quiet": "... --out runs/navy_winds",
-    "python datasets/check_data.py --config quickstart --data_dir datasets/real/navy_winds --task forecast "
-    "--in_chans 2 --channel_names '[]' --mean '[]' --std '[]'": "... --data_dir runs/navy_winds",
+    "python datasets/check_data.py --config quickstart --data_dir datasets/real/navy_winds --task forecast":
+        "... --data_dir runs/navy_winds",
     "python benchmarks/bench_data.py datasets/synthetic_small --num-workers 0 2":
         "... --batches 2 --repeats 1 --crop-size 32 --batch-size 2",
     "python benchmarks/bench_data.py --synthetic 16 --num-workers 4":

@@ -10,8 +10,8 @@ channels. It forecasts the next state as the input plus a learned increment.
 What makes it a model of this project, the contract (docs/part4-your-model.md):
 - it takes ``in_chans`` and the data's ``mean`` and ``std`` by name and normalises inside (the forecast task feeds
   physical units: z500 ~5e4), here with models/common.py's PhysicalUnitsModel;
-- its parameters are real: the complex spectral weights are stored as ``torch.view_as_real`` (fused AdamW, FSDP2
-  and DCP refuse complex parameters) and viewed back as complex in forward;
+- its spectral weights are complex parameters, as neuraloperator's FNO keeps them: ``build_model`` stores each as
+  its real view, which fused AdamW, FSDP2 and DCP take, and the layer still reads a complex tensor;
 - ``blocks()`` returns its Fourier layers: the units of activation checkpointing, torch.compile and FSDP2, as its
   plan, declared below with ``register_plan``, says. It has no tensor-parallel, context-parallel or pipeline plan:
   those scripts refuse it in one line.
@@ -38,13 +38,12 @@ class SpectralConv2d(nn.Module):
         self.modes = modes
         scale = 1.0 / (width * width)
         # Two corners of the rfft2 spectrum: frequencies 0..modes-1 and -modes..-1 along the first axis.
-        weights = scale * torch.randn(2, width, width, modes, modes, dtype=torch.cfloat)
-        self.weights = nn.Parameter(torch.view_as_real(weights))  # real storage: (2, width, width, modes, modes, 2)
+        self.weights = nn.Parameter(scale * torch.randn(2, width, width, modes, modes, dtype=torch.cfloat))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         height, width_px = x.shape[-2:]
         spectrum = torch.fft.rfft2(x.float(), norm="ortho")
-        weights = torch.view_as_complex(self.weights)
+        weights = self.weights
         m = min(self.modes, height // 2, width_px // 2 + 1)
         out = torch.zeros_like(spectrum)
         out[..., :m, :m] = torch.einsum("bixy,ioxy->boxy", spectrum[..., :m, :m], weights[0, :, :, :m, :m])
