@@ -26,6 +26,16 @@ LOCK ?= $(LOCK_FILE)
 # Where PyTorch comes from, if not PyPI: TORCH_INDEX=https://download.pytorch.org/whl/cpu installs its CPU wheel
 # (the pinned version, without the CUDA libraries) before everything else, which then keeps it.
 TORCH_INDEX ?=
+# Not given, the install takes the build this node's NVIDIA driver runs: tools/torch_build.py prints its one line
+# (stderr) and the index (stdout; empty: PyPI). Expanded with the install's recipe, so `make -n install` shows the
+# choice and other targets never run nvidia-smi; the $(eval) keeps the first answer (one run, one line).
+TORCH_BUILD_INDEX = $(eval TORCH_BUILD_INDEX := $(or $(TORCH_INDEX),$(shell $(PYTHON) tools/torch_build.py \
+	--index-url)))$(TORCH_BUILD_INDEX)
+TORCH_PIN = $$(sed -n 's/^torch==//p' $(LOCK_FILE))
+# pip's own error says why; this line says what to do (set apart: its commas would split the $(if ...) below).
+TORCH_INDEX_FAILED = echo "error: pip could not install torch==$(TORCH_PIN) from $(TORCH_BUILD_INDEX) (its reason \
+	above): load the site's PyTorch module (docs/setup.md), or choose the index: make install TORCH_INDEX=URL \
+	(https://download.pytorch.org/whl/cpu: CPU only)" >&2; exit 1
 
 .PHONY: train train-vit train-unet test test-torch data data-vit data-unet install install-data real-data lock clean \
 	gpu-check docs-outputs
@@ -37,7 +47,8 @@ $(VENV)/.installed: requirements.txt $(LOCK)
 	@echo "Installing the tested versions into $(VENV): about 5.7 GB, most of it the CUDA libraries that PyTorch's" \
 	  "Linux wheel brings also to a machine without a GPU (a CPU-only install: README.md, Quickstart)."
 	$(PYTHON) -m venv $(VENV)
-	$(if $(TORCH_INDEX),$(PY) -m pip install "torch==$$(sed -n 's/^torch==//p' $(LOCK_FILE))" --index-url $(TORCH_INDEX))
+	$(if $(TORCH_BUILD_INDEX),$(PY) -m pip install "torch==$(TORCH_PIN)" --index-url $(TORCH_BUILD_INDEX) \
+		|| { $(TORCH_INDEX_FAILED); })
 	$(PY) -m pip install -r requirements.txt $(if $(LOCK),-c $(LOCK))
 	touch $@
 

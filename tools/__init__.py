@@ -1,0 +1,1 @@
+"""Install helpers that run before the project's requirements are there: standard library only."""
