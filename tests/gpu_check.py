@@ -291,22 +291,22 @@ def probe() -> int:
 
     sys.path.insert(0, str(REPO))
     from benchmarks import ladder
+    from tools import torch_build
 
     cuda = torch.cuda.is_available()
+    driver = torch_build.query_driver()
     info = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-            "cuda_available": cuda, "host": platform.node(), "cpus": os.cpu_count(),
+            "cuda_available": cuda, "host": platform.node(), "cpus": os.cpu_count(), "driver": driver.version,
             "ladder_lacks": {r.name: ladder.SKIP_REASONS[r.needs] for r in ladder.rungs(1)
-                             if ladder.missing(cuda).get(r.needs)}}
+                             if ladder.missing(cuda).get(r.needs)},
+            # A GPU nvidia-smi lists that this torch cannot use (its CUDA too new for the driver): the row's reason.
+            "gpu_unseen": torch_build.unseen_gpu(driver, cuda, torch.__version__, torch.version.cuda,
+                                                 os.environ.get("CUDA_VISIBLE_DEVICES"))}
     if cuda:
         props = torch.cuda.get_device_properties(0)
         info.update(device=props.name, memory_gb=props.total_memory / 1e9,
                     capability=list(torch.cuda.get_device_capability(0)), multiprocessors=props.multi_processor_count,
                     bf16=torch.cuda.is_bf16_supported(), cudnn=torch.backends.cudnn.version())
-        try:
-            info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                            capture_output=True, text=True, timeout=20).stdout.strip()
-        except (OSError, subprocess.TimeoutExpired):
-            info["driver"] = None
     else:
         from benchmarks.bench_model import cpu_description
 
@@ -319,7 +319,8 @@ def judge_probe(ran: Ran, check: Check) -> list[Row]:
     check.env = last_json(ran.output, "torch")
     status = "fail" if check.mode == "gpu" and not check.cuda else "pass"
     keys = ("device", "torch", "cuda", "driver", "memory_gb")
-    return [Row("environment", status, "" if status == "pass" else "torch sees no CUDA device",
+    reason = check.env.get("gpu_unseen") or "torch sees no CUDA device"
+    return [Row("environment", status, "" if status == "pass" else reason,
                 figures={k: short(check.env[k]) for k in keys if check.env.get(k) is not None})]
 
 

@@ -107,6 +107,20 @@ def test_on_a_gpu_a_skipped_cuda_test_fails_the_item_with_its_reason(tmp_path):
     assert gpu_check.judge_tests(gpu_check.Ran(0, "", 1.0), check)[0].status == "pass"
 
 
+def test_on_a_gpu_torch_cannot_see_the_probe_fails_with_the_driver_and_the_fix(tmp_path):
+    from tools import torch_build  # as the probe's child does: it holds the message, the parent reads its JSON
+
+    unseen = torch_build.unseen_gpu(torch_build.Driver("550.54.15"), False, "2.15.0", "13.2", None)
+    probe = json.dumps({"torch": "2.15.0", "cuda": "13.2", "cuda_available": False, "driver": "550.54.15",
+                        "gpu_unseen": unseen})
+    check = a_check(tmp_path, tiny=False)
+    row = gpu_check.judge_probe(gpu_check.Ran(0, probe, 1.0), check)[0]
+    assert (row.status, row.reason) == ("fail", unseen) and "tools/torch_build.py --install" in unseen
+    assert row.figures["driver"] == "550.54.15"
+    check.mode = "tiny"  # the dry run hides the GPU on purpose
+    assert gpu_check.judge_probe(gpu_check.Ran(0, probe, 1.0), check)[0].status == "pass"
+
+
 @pytest.mark.parametrize("argv, message", [([], "--out DIR is required"), (["--out", "x", "--budget-s", "0"],
                                                                            "--budget-s must be > 0")])
 def test_bad_arguments_stop_with_one_line(argv, message, capsys):
