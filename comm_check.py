@@ -13,6 +13,10 @@ memory of a rank are skipped (and said so). As in nccl-tests, an all-gather's si
 (each rank contributes size / world_size), algbw = size / time, and busbw rescales algbw to what
 each link carries: all-reduce x 2(n-1)/n, all-gather x (n-1)/n. Time is the slowest rank's mean
 over the timed iterations. Any wrong element makes the run fail (exit code 1).
+
+On GPUs the largest size's busbw is set beside the *expected* one: the datasheet bandwidths of the links
+(config/clusters/clusters.yaml, the entry that --cluster or SITE names; see :func:`expected_busbw`), with a
+warning below half of it.
 """
 
 from __future__ import annotations
@@ -24,13 +28,17 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Optional
 
 import psutil
 import torch
 import torch.distributed as dist
 
+from utils.config import ConfigError
 from utils.parallel.distributed import DistEnv, cleanup_distributed, init_distributed, read_dist_env
+from utils.plan.clusters import THIS_MACHINE, Cluster, load_cluster
+from utils.plan.comm import node_busbw
 from utils.training import exit_process
 
 DTYPE = torch.float32
@@ -39,6 +47,12 @@ ELEMENT_BYTES = torch.finfo(DTYPE).bits // 8
 # and positions differ, so a shifted or misplaced chunk shows up as wrong elements.
 PATTERN_PERIOD = 7
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+SITE_CLUSTERS = {"kestrel": "kestrel-h100", "perlmutter": "perlmutter-a100-40"}
+"""submit_multinode.sh's SITE -> the clusters.yaml entry of that site's GPU nodes (generic: none)."""
+LARGE_BYTES = 64 * 2**20
+"""Smallest size compared with the expected busbw: below it, per-step latency hides the bandwidth."""
+LOW_SHARE = 0.5
+"""Measured busbw below this share of the expected one earns a warning."""
 
 
 def parse_bytes(text: str) -> int:
@@ -75,6 +89,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "fewer iterations (at least one)")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds a collective may wait for a missing rank before failing")
+    parser.add_argument("--cluster", default=None,
+                        help="entry of config/clusters/clusters.yaml whose link bandwidths give the expected busbw "
+                             "(e.g. kestrel-h100, perlmutter-a100-40); default from SITE: "
+                             + ", ".join(f"{k} -> {v}" for k, v in SITE_CLUSTERS.items()) + ", else none")
+    parser.add_argument("--cluster-file", "--cluster_file", dest="cluster_file", type=Path, default=None,
+                        help="a YAML file of cluster entries of your own, in the form of config/clusters/clusters.yaml")
     args = parser.parse_args(argv)
     if args.min_bytes > args.max_bytes:
         parser.error(f"--min-bytes ({format_bytes(args.min_bytes)}) is larger than --max-bytes "
@@ -85,6 +105,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--iters must be at least 1")
     if args.warmup < 0 or args.seconds_per_size <= 0 or args.timeout <= 0:
         parser.error("--warmup must be >= 0, --seconds-per-size and --timeout > 0")
+    args.cluster_given = args.cluster is not None  # a CPU run compares only when asked to
+    name = args.cluster if args.cluster_given else cluster_for_site(os.environ.get("SITE"))
+    args.expected_from = None
+    if name == THIS_MACHINE:  # measuring it runs comm_check.py itself: not from inside one
+        parser.error(f"--cluster {THIS_MACHINE} is measured by this script: name a GPU cluster's entry")
+    if name is not None:
+        try:
+            args.expected_from = load_cluster(name, args.cluster_file)
+        except ConfigError as error:
+            parser.error(str(error))
     return args
 
 
@@ -99,6 +129,52 @@ class Collective:
 
 ALL_REDUCE = Collective("all_reduce", lambda n: 2 * (n - 1) / n, 1.0)
 ALL_GATHER = Collective("all_gather", lambda n: (n - 1) / n, 1.5)  # output + input (<= half of it)
+
+
+# --- expected bus bandwidth ----------------------------------------------------------------------------
+
+def cluster_for_site(site: Optional[str]) -> Optional[str]:
+    """The clusters.yaml entry for a SITE of the job scripts (kestrel, perlmutter); None for generic or unset."""
+    return SITE_CLUSTERS.get((site or "").strip().lower())
+
+
+def expected_busbw(cluster: Cluster, nodes: int) -> float:
+    """Large-message bus bandwidth (bytes/s) the links allow a ring over ``nodes`` nodes of ``cluster``.
+
+        1 node:     busbw = nvlink_gbps
+        2+ nodes:   busbw = min(nvlink_gbps, network_gbps)     (network_gbps: the whole node's, per direction)
+
+    The ring planner's bound (utils/plan/comm.py, node_busbw, with the node's network as plan.py gives DDP's
+    single ring), so plan and check agree. Why the whole node's network and not its share per GPU
+    (network_gbps / gpus_per_node): NCCL orders each ring node by node, so a ring leaves a node once,
+    through that node's NICs (one ring or channel per NIC), while every link of a ring carries the same
+    bytes, the 2(n-1)/n x size per rank that busbw counts. The slowest link bounds them all: NVLink inside a
+    node, the node's network between nodes. The NREL tutorial measured about 55 GB/s busbw on 2 Kestrel nodes
+    with NCCL_NET_GDR_LEVEL=LOC and about 80 GB/s without it (nccl-tests), against 50 here and 12.5 for
+    the per-GPU share: a figure above this bound is possible (NCCL's tree algorithm on few nodes), one far
+    below it is not the links' limit. Datasheet figures, not measurements.
+    """
+    return node_busbw(nodes, cluster.gpus_per_node, cluster.intra_bw, cluster.inter_bw)
+
+
+def compare_busbw(name: str, size: int, measured: float, cluster: Cluster, nodes: int,
+                  comparable: bool = True) -> list[str]:
+    """The lines that set ``measured`` busbw (GB/s) at ``size`` bytes beside :func:`expected_busbw`: a summary,
+    then a warning when below LOW_SHARE of it. ``comparable`` False (gloo on CPUs): the summary says so and
+    no warning follows, since CPU processes do not use the cluster's links."""
+    expected = expected_busbw(cluster, nodes) / 1e9
+    label = "" if comparable else " (a GPU cluster's figure: this run is on CPUs, not comparable)"
+    plural = "s" if nodes > 1 else ""
+    lines = [f"# {name}: busbw at {format_bytes(size)}: {measured:.3f} GB/s measured, {expected:g} GB/s expected "
+             f"for {nodes} node{plural} of {cluster.name} ({cluster.source}: the links' datasheet bandwidth){label}"]
+    if not comparable:
+        return lines
+    if size < LARGE_BYTES:
+        lines.append(f"# {name}: {format_bytes(size)} is latency-bound: compare at --max-bytes 1GiB")
+    elif measured < LOW_SHARE * expected:
+        lines.append(f"# WARNING {name}: below half the expected bus bandwidth: check the NCCL network plugin "
+                     f"(docs/setup.md, 'The network plugin for NCCL')")
+    return lines
 
 
 # --- data: fill with the pattern, count wrong elements ---------------------------------------------
@@ -265,13 +341,14 @@ def check(args: argparse.Namespace, env: DistEnv, device: torch.device) -> int:
         say(line)
     say(HEADER)
 
-    total_wrong, busbw = 0, {ALL_REDUCE.name: [], ALL_GATHER.name: []}
+    total_wrong, busbw, largest = 0, {ALL_REDUCE.name: [], ALL_GATHER.name: []}, {}
     for op in (ALL_REDUCE, ALL_GATHER):
         fitting = [s for s in sizes if s * op.buffers_per_size <= budget]
         for size in fitting:
             seconds, wrong = run_collective(op, size, env, device, args)
             total_wrong += wrong
             busbw[op.name].append(size / seconds / 1e9 * op.bus_factor(env.world_size))
+            largest[op.name] = size
             say(table_row(op, size, seconds, wrong, env.world_size))
         if len(fitting) < len(sizes):
             say(f"# {op.name}: sizes above {format_bytes(fitting[-1]) if fitting else 'every size'} "
@@ -280,6 +357,8 @@ def check(args: argparse.Namespace, env: DistEnv, device: torch.device) -> int:
         if values:
             say(f"# {name}: average bus bandwidth {sum(values) / len(values):.3f} GB/s, "
                 f"largest size {values[-1]:.3f} GB/s")
+    for line in expectation_lines(args, busbw, largest, num_nodes, device):
+        say(line)
     if total_wrong:
         if env.is_main:
             print(f"# FAILED: {total_wrong} wrong elements: a collective returned wrong data; check the "
@@ -288,6 +367,22 @@ def check(args: argparse.Namespace, env: DistEnv, device: torch.device) -> int:
         return 1
     say("# all results correct")
     return 0
+
+
+def expectation_lines(args: argparse.Namespace, busbw: dict, largest: dict, nodes: int,
+                      device: torch.device) -> list[str]:
+    """Expected against measured busbw at the largest size: on GPUs with a cluster, or on CPUs when --cluster
+    asked for it; on GPUs without one, how to get it (CPUs: nothing, the links are not theirs)."""
+    on_gpu = device.type == "cuda"
+    cluster = args.expected_from
+    if cluster is None:
+        return [] if not on_gpu else [
+            "# expected busbw: none for this site: pass --cluster NAME (an entry of config/clusters/clusters.yaml) "
+            "or set SITE=kestrel|perlmutter to compare with the links' datasheet bandwidth"]
+    if not on_gpu and not args.cluster_given:
+        return []
+    return [line for name, values in busbw.items() if values
+            for line in compare_busbw(name, largest[name], values[-1], cluster, nodes, comparable=on_gpu)]
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@
 
 # ---- Settings: edit here, or set them in the environment of sbatch (SITE=kestrel sbatch ...) -------
 # SITE picks the defaults of the settings below: kestrel, perlmutter or generic (any other SLURM).
-SITE=${SITE:-generic}
+# Exported: comm_check.py reads it for the expected bus bandwidth of the site's nodes.
+export SITE=${SITE:-generic}
 # Python environment: a virtualenv directory (has pyvenv.cfg) or a conda environment name or path;
 # empty = the python already on PATH (e.g. from a module). The default is the conda environment that
 # `conda env create -f conda-env.yml` makes (docs/setup.md).

@@ -6,10 +6,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 import comm_check
-from comm_check import ALL_GATHER, ALL_REDUCE, message_sizes, parse_args, parse_bytes
+from comm_check import (ALL_GATHER, ALL_REDUCE, compare_busbw, expectation_lines, expected_busbw, message_sizes,
+                        parse_args, parse_bytes)
 from tests.conftest import REPO, run_script
+from utils.plan.clusters import load_cluster
+from utils.plan.comm import node_busbw
 
 TORCHRUN_2 = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2"]
 ROW = re.compile(r"^\s+(all_reduce|all_gather)\s+(\d+)\s+(\d+)\s+float\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+)\s*$",
@@ -53,6 +57,7 @@ def test_two_processes_print_a_complete_correct_table():
     assert "world_size=2 nodes=1" in proc.stdout
     assert_complete_correct_table(proc.stdout, 4 * 2**20, world_size=2)
     assert "average bus bandwidth" in proc.stdout
+    assert "expected" not in proc.stdout  # gloo on CPUs: the links of no cluster, unless --cluster asks
 
 
 def test_wrong_data_fails_the_run(tmp_path):
@@ -114,3 +119,68 @@ def test_sizes_double_and_round_to_whole_elements_per_rank():
 def test_bus_bandwidth_factors_are_those_of_nccl_tests():
     assert ALL_REDUCE.bus_factor(8) == pytest.approx(2 * 7 / 8)
     assert ALL_GATHER.bus_factor(8) == pytest.approx(7 / 8)
+
+
+# --- the expected bus bandwidth (pure functions: no process group) ------------------------------------------
+
+@pytest.mark.parametrize("name, nodes, gbps", [("kestrel-h100", 1, 450), ("kestrel-h100", 2, 50),
+                                               ("kestrel-h100", 4, 50), ("perlmutter-a100-40", 1, 300),
+                                               ("perlmutter-a100-40", 2, 100)])
+def test_expected_busbw_is_the_planners_ring_bound(name, nodes, gbps):
+    cluster = load_cluster(name)
+    # NVLink inside a node; between nodes the slower of NVLink and the node's whole network (not its share per GPU)
+    formula = cluster.intra_bw if nodes == 1 else min(cluster.intra_bw, cluster.inter_bw)
+    assert expected_busbw(cluster, nodes) == formula == gbps * 1e9
+    assert expected_busbw(cluster, nodes) == node_busbw(nodes, cluster.gpus_per_node, cluster.intra_bw,
+                                                        cluster.inter_bw)
+
+
+@pytest.mark.parametrize("site, cluster", [("kestrel", "kestrel-h100"), ("perlmutter", "perlmutter-a100-40"),
+                                           ("generic", None), (None, None)])
+def test_site_picks_the_cluster(monkeypatch, site, cluster):
+    if site is None:
+        monkeypatch.delenv("SITE", raising=False)
+    else:
+        monkeypatch.setenv("SITE", site)
+    args = parse_args([])
+    assert (args.expected_from.name if args.expected_from else None) == cluster
+    assert not args.cluster_given
+    chosen = parse_args(["--cluster", "perlmutter-a100-80"])  # the option wins over SITE
+    assert chosen.expected_from.name == "perlmutter-a100-80" and chosen.cluster_given
+
+
+@pytest.mark.parametrize("args, message", [(["--cluster", "nope"], "unknown cluster 'nope'"),
+                                           (["--cluster", "this-machine"], "is measured by this script")])
+def test_bad_cluster_is_a_clear_error(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(args)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_busbw_below_half_the_expected_warns():
+    kestrel = load_cluster("kestrel-h100")  # 2 nodes: 50 GB/s expected
+    low = compare_busbw("all_reduce", 2**30, 24.9, kestrel, nodes=2)
+    assert low[0] == ("# all_reduce: busbw at 1 GiB: 24.900 GB/s measured, 50 GB/s expected for 2 nodes of "
+                      "kestrel-h100 (config/clusters/clusters.yaml: the links' datasheet bandwidth)")
+    assert len(low) == 2 and low[1].startswith("# WARNING all_reduce: below half the expected bus bandwidth")
+    assert "The network plugin for NCCL" in low[1]
+    assert compare_busbw("all_gather", 2**30, 25.1, kestrel, nodes=2) == [low[0].replace("all_reduce", "all_gather")
+                                                                         .replace("24.900", "25.100")]
+    assert compare_busbw("all_reduce", 2**30, 80.0, kestrel, nodes=2)[1:] == []  # above the ring bound: fine
+    small = compare_busbw("all_reduce", 2**20, 1.0, kestrel, nodes=2)  # latency-bound: no verdict
+    assert len(small) == 2 and "latency-bound" in small[1] and "WARNING" not in small[1]
+
+
+def test_cpu_runs_print_an_expected_busbw_only_when_asked(monkeypatch):
+    monkeypatch.setenv("SITE", "kestrel")
+    busbw, largest = {"all_reduce": [0.1, 0.6], "all_gather": [0.4]}, {"all_reduce": 2**24, "all_gather": 2**24}
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")  # a device object only: no GPU needed
+    assert expectation_lines(parse_args([]), busbw, largest, 2, cpu) == []
+    asked = expectation_lines(parse_args(["--cluster", "kestrel-h100"]), busbw, largest, 2, cpu)
+    assert len(asked) == 2 and all("not comparable" in line and "50 GB/s expected" in line for line in asked)
+    on_gpu = expectation_lines(parse_args([]), busbw, largest, 2, gpu)
+    assert [line.split(":")[0] for line in on_gpu] == ["# all_reduce", "# all_reduce", "# all_gather",
+                                                       "# all_gather"]  # each: summary, then latency-bound
+    monkeypatch.setenv("SITE", "generic")
+    hint = expectation_lines(parse_args([]), busbw, largest, 2, gpu)
+    assert len(hint) == 1 and "--cluster NAME" in hint[0]
