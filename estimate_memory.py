@@ -37,7 +37,7 @@ benchmarks/validate_memory_estimate.py compares the estimate with measurements.
 A model without a hand-written description (utils/memory/shapes.py), or any model with --traced, is estimated by
 tracing one training step on fake tensors (utils/memory/traced.py: PyTorch's memory trackers, nothing allocated,
 a second or two): its peak per rank on one device, under DDP, FSDP2 or HSDP, with AC and autocast as configured,
-within 10 % of the measured peak on CPU (benchmarks/validate_traced_estimate.py; docs/memory_estimate.md). It runs
+within 10 % of the measured peak on CPU (benchmarks/validate_traced_estimate.py; benchmarks/README.md). It runs
 the CPU's kernels; tensor, context and pipeline parallelism need the hand-written description and are refused.
 A model whose step does not run on fake tensors is one line (exit 2).
 """

@@ -12,7 +12,7 @@ quickstart's, with 4 MB units: 12.5 to 20.9 MB on 4 processes).
 
     python benchmarks/validate_traced_estimate.py                 # the table (about 20 minutes on 2 cores)
     python benchmarks/validate_traced_estimate.py --quick         # the tiny models only
-    python benchmarks/validate_traced_estimate.py --markdown      # the table as docs/memory_estimate.md shows it
+    python benchmarks/validate_traced_estimate.py --markdown      # the table as benchmarks/README.md shows it
 
 Exit status 1 if a traced estimate is off by more than --tolerance (default 10 %) from every measured run of its case.
 """
