@@ -120,7 +120,9 @@ def test_tiles_equal_the_whole_field_within_the_seam_error(reference_run, sr_sto
         step = predict.Predictor(model, torch.device("cpu"), args, None).one_step
         step(x)  # the model's caches (shift masks), as the estimate's first call makes them
         measured = measure_peak(lambda: step(x), torch.device("cpu")) + held
-    assert 0.75 <= estimated / measured <= 1.1, (estimated, measured)
+    # 0.89 while SwinIR's bias was a permuted view (CPU SDPA copied it), 1.16 since it is contiguous: the real
+    # peak fell by a bias-sized tensor that the fake trace still counts (2026-11-27, torch 2.15).
+    assert 0.75 <= estimated / measured <= 1.2, (estimated, measured)
 
 
 def test_dcp_folder_and_bare_weights_predict_what_the_pt_does(reference_run, tiny_data, sr_store, tmp_path, capsys):
