@@ -1,0 +1,221 @@
+"""Judge forecasts by WeatherBench 2's definitions: RMSE, bias, MAE and ACC per variable, level and lead time, beside
+persistence and climatology, and zonal energy spectra.
+
+    python evaluate.py --forecast runs/vit_quickstart/forecasts.zarr --truth datasets/synthetic_vit --out scores.nc
+    python evaluate.py --forecast f.zarr --truth era5_1440x721.zarr --climatology era5_climatology.zarr --out s.nc
+    python evaluate.py --forecast f.zarr --truth datasets/synthetic_vit --out s.nc --png scorecard.png
+
+--forecast: a store in WeatherBench 2's layout (predict.py writes one). --truth: a data folder of the training layout
+(the split that holds the forecast's verifying times, or --split) or a Zarr store / netCDF file in the forecast's
+layout. Each (initial time, lead) is verified at initial time + lead (for monthly data, lead counts calendar months),
+matched exactly to the truth's recorded times; pairs the truth lacks are dropped and counted in the output's
+attributes. The climatology (ACC's reference and a baseline) is a file of WeatherBench 2's layout (--climatology), or
+the mean by day of year and hour of day of the truth folder's training split (--climatology_split).
+
+The output (utils/predict/scores.py has the definitions): netCDF with a data variable per forecast variable, dims
+``forecast`` (model, persistence, climatology), ``metric`` (rmse, bias, mae, acc), ``lead_time``, [``level``]; the
+zonal energy spectra in its group ``spectra`` (xr.open_dataset(out, group="spectra")). --png writes a scorecard
+(the model's RMSE relative to --reference, per variable and lead) and ``<png>.curves.png`` (RMSE and ACC against
+lead). Bad input is one line and exit code 2; the outputs get their names only when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from utils.checkpoint import replaced_atomically, reporting_write_failures
+from utils.data.common import DataError
+from utils.predict.scores import BASELINES, MONTHS, evaluate, grid_of, index_in, lead_times, verifying_times
+from utils.predict.truth import Climatology, FolderTruth, StoreTruth, open_store
+from utils.training import OneLineParser, run_cli
+
+CURVE_ROWS = (("geopotential", 500.0), ("temperature", 850.0), ("2m_temperature", None),
+              ("10m_u_component_of_wind", None))  # WeatherBench 2's headline variables, where present
+STYLES = {"model": "o-", "persistence": "s--", "climatology": "^:"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = OneLineParser(prog="evaluate.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--forecast", required=True, help="the forecasts: a Zarr store or netCDF file (predict.py's)")
+    parser.add_argument("--truth", required=True, help="a data folder of the training layout, or a Zarr / netCDF "
+                                                       "store in the forecast's layout")
+    parser.add_argument("--out", required=True, help="the scores: OUT.nc")
+    parser.add_argument("--split", default=None, help="truth folder: the split to verify against (default: the one "
+                                                      "holding most verifying times)")
+    parser.add_argument("--climatology", default=None, help="a climatology file of WeatherBench 2's layout (default: "
+                                                            "from the truth folder's --climatology_split)")
+    parser.add_argument("--climatology_split", default="train", help="truth folder: the split the climatology is "
+                                                                     "computed from (default train)")
+    parser.add_argument("--baselines", nargs="*", choices=BASELINES, default=list(BASELINES),
+                        help="baselines scored beside the model (default: both; none: give the flag alone)")
+    parser.add_argument("--png", default=None, help="scorecard picture (and <png>.curves.png beside it)")
+    parser.add_argument("--reference", choices=BASELINES, default="persistence",
+                        help="the scorecard's reference (default persistence)")
+    parser.add_argument("--chunk", type=int, default=8, help="initial times read at once (default 8)")
+    return parser.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if Path(args.out).suffix.lower() not in (".nc", ".nc4"):
+        raise DataError(f"--out {args.out}: name a netCDF file (.nc)")
+    for out in (args.out, args.png):
+        if out and Path(out).exists():
+            raise DataError(f"--out/--png {out} exists: choose another name, or delete it to evaluate again")
+    if args.png and Path(args.png).suffix.lower() != ".png":
+        raise DataError(f"--png {args.png}: name a .png file")
+    if args.png and args.reference not in args.baselines:
+        raise DataError(f"--reference {args.reference} is not among --baselines ({', '.join(args.baselines) or 'none'})")
+    if args.chunk < 1:
+        raise DataError(f"--chunk must be >= 1, got {args.chunk}")
+
+
+def split_folders(root: Path) -> list[Path]:
+    return sorted(p for p in root.iterdir() if p.is_dir() and any(p.glob("*.h5")))
+
+
+def open_truth(args, ds, grid):
+    """(the truth, the climatology or None) from --truth, --split, --climatology."""
+    root = Path(args.truth)
+    climatology = Climatology.from_file(Path(args.climatology), grid) if args.climatology else None
+    if not root.is_dir() or root.suffix == ".zarr":
+        return StoreTruth(root, grid), climatology
+    if args.split:
+        split = root / args.split
+    else:  # the split whose recorded times hold most verifying times (the forecast's own)
+        leads, monthly = lead_times(ds)
+        verifying = verifying_times(ds["time"].values, leads, monthly)
+        folders = split_folders(root)
+        if not folders:
+            raise DataError(f"--truth {root}: no split folder with .h5 files, and not a Zarr store")
+        held = [(int((index_in(verifying, FolderTruth(f, grid).times) >= 0).sum()), f) for f in folders]
+        split = max(held, key=lambda h: h[0])[1]
+    truth = FolderTruth(split, grid)
+    source = root / args.climatology_split
+    if climatology is None and (source.is_dir() or "climatology" in args.baselines):  # else: no ACC, said in attrs
+        if source.resolve() == split.resolve():
+            raise DataError(f"--climatology_split {args.climatology_split} is the split being verified: a climatology "
+                            "of the truth itself would flatter ACC; give another split or --climatology FILE")
+        climatology = Climatology.from_split(FolderTruth(source, grid))
+    return truth, climatology
+
+
+def rows_of(scores) -> list[tuple[str, str, Optional[float]]]:
+    """(label, variable, level) of every scored row: a variable, or a variable at one level it has."""
+    rows = []
+    for name, var in scores.data_vars.items():
+        if "level" not in var.dims:
+            rows.append((name, name, None))
+            continue
+        for level in scores["level"].values:
+            if np.isfinite(var.sel(forecast="model", metric="rmse", level=level).values).any():
+                rows.append((f"{name} {level:g}", name, float(level)))
+    return rows
+
+
+def metric_of(scores, name: str, level: Optional[float], forecast: str, metric: str) -> np.ndarray:
+    var = scores[name].sel(forecast=forecast, metric=metric)
+    return np.asarray((var.sel(level=level) if level is not None else var).values, dtype=np.float64)
+
+
+def lead_labels(scores) -> tuple[list[float], str]:
+    leads = scores["lead_time"]
+    if leads.attrs.get("units") == MONTHS:
+        return [float(v) for v in leads.values], "months"
+    return [float(v / np.timedelta64(1, "h")) for v in leads.values], "h"
+
+
+def save_scorecard(path: Path, scores, reference: str, dpi: int = 110) -> None:
+    """The model's RMSE relative to the reference's, in %, per row and lead: blue better, red worse."""
+    from matplotlib.figure import Figure  # no pyplot: no global figure state, Agg canvas on save
+
+    rows = rows_of(scores)
+    leads, unit = lead_labels(scores)
+    change = np.array([100 * (metric_of(scores, n, lv, "model", "rmse") / metric_of(scores, n, lv, reference, "rmse")
+                              - 1) for _, n, lv in rows])
+    # Beyond +-100 % the colour saturates: a baseline twice as good says enough, and -100 % is the floor.
+    bound = min(float(np.nanmax(np.abs(change))), 100.0) if np.isfinite(change).any() else 1.0
+    fig = Figure(figsize=(1.2 + 0.55 * len(leads) + 2.2, 0.8 + 0.28 * len(rows)), layout="constrained")
+    ax = fig.subplots()
+    image = ax.imshow(change, cmap="RdBu_r", vmin=-bound, vmax=bound, aspect="auto")
+    for (i, j), value in np.ndenumerate(change):
+        if np.isfinite(value):
+            ax.text(j, i, f"{value:+.0f}", ha="center", va="center", fontsize=7,
+                    color="white" if abs(value) > 0.6 * bound else "black")
+    ax.set_xticks(range(len(leads)), [f"{v:g}" for v in leads], fontsize=8)
+    ax.set_yticks(range(len(rows)), [label for label, _, _ in rows], fontsize=8)
+    ax.set_xlabel(f"lead time ({unit})")
+    fig.colorbar(image, ax=ax, label=f"RMSE vs {reference} (%)")
+    ax.set_title(f"model RMSE relative to {reference} (negative: better)", fontsize=9)
+    _save(fig, path, dpi)
+
+
+def save_curves(path: Path, scores, dpi: int = 110) -> None:
+    """RMSE (top) and ACC (bottom) against lead for up to four rows, every forecast scored."""
+    from matplotlib.figure import Figure
+
+    rows = rows_of(scores)
+    shown = [r for r in rows if (r[1], r[2]) in CURVE_ROWS] or rows[:4]
+    leads, unit = lead_labels(scores)
+    fig = Figure(figsize=(3.4 * len(shown) + 0.4, 5.6), layout="constrained")
+    axes = fig.subplots(2, len(shown), squeeze=False, sharex=True)
+    for column, (label, name, level) in enumerate(shown):
+        for row, metric in enumerate(("rmse", "acc")):
+            ax = axes[row, column]
+            for forecast in scores["forecast"].values:
+                ax.plot(leads, metric_of(scores, name, level, str(forecast), metric), STYLES[str(forecast)],
+                        label=str(forecast))
+            ax.grid(alpha=0.3)
+            ax.set_title(f"{label} {metric.upper()}", fontsize=9)
+        axes[1, column].set_xlabel(f"lead time ({unit})")
+    axes[0, 0].legend(fontsize=8)
+    _save(fig, path, dpi)
+
+
+def _save(fig, path: Path, dpi: int) -> None:
+    with replaced_atomically(path) as temporary:
+        fig.savefig(temporary, format="png", dpi=dpi)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    check_args(args)
+    forecast = open_store(Path(args.forecast))
+    grid = grid_of(forecast)
+    truth, climatology = open_truth(args, forecast, grid)
+    scores, spectra, notes = evaluate(forecast, truth, climatology, args.baselines, args.chunk)
+    scores.attrs = {"Conventions": "CF-1.8", "title": "forecast scores by WeatherBench 2's definitions",
+                    "source": f"evaluate.py: forecast {args.forecast}, truth {truth.where}",
+                    "latitude_weights": "sin(upper cell bound) - sin(lower cell bound), normalised to mean 1",
+                    "rmse": "sqrt of the time mean of the weighted spatial MSE", "bias": "forecast - truth",
+                    "acc": "time mean of each time's uncentred anomaly correlation; anomalies from the climatology",
+                    **notes}
+    spectra.attrs = {"title": "zonal energy spectra (utils/predict/scores.py)", "source": scores.attrs["source"]}
+    out = Path(args.out)
+    with reporting_write_failures("scores", out, hint="free space and run it again"), \
+            replaced_atomically(out) as temporary:
+        scores.to_netcdf(temporary)
+        spectra.to_netcdf(temporary, mode="a", group="spectra")
+    print(f"evaluate: {len(grid.variables)} variables, {len(scores.lead_time)} leads, {notes['verifying_times_scored']}"
+          f" verifying times scored, {notes['verifying_times_dropped']} dropped (not in the truth) against "
+          f"{truth.where}; climatology: {notes['climatology']}", flush=True)
+    rows = rows_of(scores)
+    for label, name, level in rows[:4]:
+        print(f"{label}: lead 1 RMSE " + ", ".join(
+            f"{k} {metric_of(scores, name, level, str(k), 'rmse')[0]:.4g}" for k in scores["forecast"].values),
+            flush=True)
+    print(f"wrote {out} (spectra in its group 'spectra')", flush=True)
+    if args.png:
+        png = Path(args.png)
+        save_scorecard(png, scores, args.reference)
+        curves = png.with_suffix(".curves.png")
+        save_curves(curves, scores)
+        print(f"pictures: {png}, {curves}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

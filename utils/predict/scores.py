@@ -1,0 +1,274 @@
+"""Forecasts judged by WeatherBench 2's definitions (evaluate.py): per variable, level and lead time, the RMSE, bias,
+MAE and ACC of the model and of the baselines (persistence, climatology), and zonal energy spectra.
+
+Definitions (WeatherBench 2, weatherbench2/metrics.py; Rasp et al. 2024, "WeatherBench 2"):
+
+- a latitude row's weight is the area of its cells: sin(upper cell bound) - sin(lower cell bound), the bounds
+  halfway to the neighbouring rows and clipped at the poles, normalised to mean 1 (not cos(latitude), which gives a
+  pole row no weight and the rows beside it too much);
+- spatial means are weighted means over latitude and longitude of each initial time's field;
+- RMSE = sqrt(time mean of the spatial MSE): the square root after the mean over initial times, not a mean of
+  per-time RMSEs; bias (forecast - truth) and MAE are time means of spatial means;
+- ACC = time mean of each time's sum(w f' o') / sqrt(sum(w f'^2) sum(w o'^2)), with f' and o' the forecast's and the
+  truth's anomalies from the climatology at the verifying time (day of year and hour of day; WeatherBench 2's is
+  ERA5 1990-2019, here the truth folder's training split or a given file). The climatology as a forecast has no
+  anomaly: its ACC is undefined, NaN. (The training logs' ACC keeps NERSC's convention instead: one time-mean
+  climatology, cos-latitude weights; utils/observe/scores.py.)
+- zonal energy spectrum of a field: per latitude circle, E_k = c_k |X_k|^2 L, where X_k is the k-th coefficient of
+  the discrete Fourier transform along longitude divided by the number of points, c_k = 2 for wavenumbers that stand
+  for +k and -k (1 to below Nyquist), 1 for k = 0 and Nyquist (so sum_k c_k |X_k|^2 is the circle's mean square),
+  and L = 2 pi R cos(latitude) the circle's length; averaged over latitudes with the weights above, then over times.
+
+Results: a Dataset with one data variable per forecast variable, dims ``forecast`` (model, persistence,
+climatology), ``metric`` (rmse, bias, mae, acc), ``lead_time``, and ``level`` where the variable has levels; the
+coordinate ``samples`` (forecast, lead_time) counts the initial times scored. Spectra: a second Dataset of the same
+variables, dims ``forecast`` (the same, and ``truth``: the truth at the model's verifying times), ``lead_time``,
+[``level``], ``zonal_wavenumber``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from utils.data.common import DataError
+from utils.predict.truth import Climatology, Fields, Grid
+from utils.predict.store import xarray
+
+METRICS = ("rmse", "bias", "mae", "acc")
+BASELINES = ("persistence", "climatology")
+EARTH_RADIUS_M = 6.371e6
+MONTHS = "calendar months"  # predict.py's unit of monthly leads
+
+
+# ----------------------------------------------------------------------------------------- definitions
+
+
+def latitude_weights(latitude: Sequence[float]) -> np.ndarray:
+    """Each row's share of the sphere's area, normalised to mean 1 (module docstring), in the rows' own order."""
+    lat = np.asarray(latitude, dtype=np.float64)
+    order = np.argsort(lat)
+    ascending = lat[order]
+    if len(ascending) < 2:
+        return np.ones_like(lat)
+    middles = (ascending[1:] + ascending[:-1]) / 2
+    bounds = np.concatenate([[2 * ascending[0] - middles[0]], middles, [2 * ascending[-1] - middles[-1]]])
+    bounds = np.clip(bounds, -90.0, 90.0)
+    area = np.sin(np.deg2rad(bounds[1:])) - np.sin(np.deg2rad(bounds[:-1]))
+    weights = np.empty_like(area)
+    weights[order] = area
+    return weights / weights.mean()
+
+
+def spatial_mean(x: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Weighted mean over the last two axes (latitude, longitude) with row weights of mean 1."""
+    return (x * weights[:, None]).mean(axis=(-2, -1))
+
+
+def per_time(forecast: np.ndarray, truth: np.ndarray, climatology: Optional[np.ndarray],
+             weights: np.ndarray) -> dict[str, np.ndarray]:
+    """Each initial time's spatial means (time, [level]): squared error, error, absolute error, and its ACC."""
+    error = forecast.astype(np.float64) - truth
+    stats = {"se": spatial_mean(error ** 2, weights), "error": spatial_mean(error, weights),
+             "abs": spatial_mean(np.abs(error), weights)}
+    if climatology is None:
+        stats["acc"] = np.full(stats["se"].shape, np.nan)
+        return stats
+    f, o = forecast - climatology.astype(np.float64), truth - climatology.astype(np.float64)
+    norm = np.sqrt(spatial_mean(f ** 2, weights) * spatial_mean(o ** 2, weights))
+    with np.errstate(invalid="ignore", divide="ignore"):  # no anomaly (the climatology itself): undefined
+        stats["acc"] = np.where(norm > 0, spatial_mean(f * o, weights) / norm, np.nan)
+    return stats
+
+
+def over_time(sums: dict[str, np.ndarray], count) -> dict[str, np.ndarray]:
+    """Metrics from the sums over initial times of :func:`per_time`: means, then the RMSE's root after its mean."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = {k: v / count for k, v in sums.items()}
+    return {"rmse": np.sqrt(mean["se"]), "bias": mean["error"], "mae": mean["abs"], "acc": mean["acc"]}
+
+
+def zonal_spectrum(x: np.ndarray, latitude: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Energy per zonal wavenumber (module docstring): (..., latitude, longitude) -> (..., wavenumber)."""
+    n = x.shape[-1]
+    power = np.abs(np.fft.rfft(x.astype(np.float64), axis=-1) / n) ** 2
+    power[..., 1:(n + 1) // 2] *= 2  # +k and -k; not k = 0, nor Nyquist (n even)
+    length = 2 * np.pi * EARTH_RADIUS_M * np.cos(np.deg2rad(np.asarray(latitude, dtype=np.float64)))
+    return (power * (length * weights)[:, None]).mean(axis=-2)
+
+
+# ----------------------------------------------------------------------------------------- times
+
+
+def lead_times(ds) -> tuple[np.ndarray, bool]:
+    """(the forecast's leads, whether they count calendar months)."""
+    leads = ds["prediction_timedelta"]
+    monthly = leads.attrs.get("units") == MONTHS
+    if not monthly and not np.issubdtype(leads.dtype, np.timedelta64):
+        raise DataError(f"prediction_timedelta holds {leads.dtype} values without units '{MONTHS}': neither "
+                        "durations nor counts of months")
+    return np.asarray(leads.values), monthly
+
+
+def verifying_times(initial: np.ndarray, leads: np.ndarray, monthly: bool) -> np.ndarray:
+    """(time, lead) datetime64[ns]: the initial time plus the lead (calendar months: the same day and hour n
+    months later)."""
+    import pandas as pd  # xarray's own dependency
+
+    initial = np.asarray(initial).astype("datetime64[ns]")
+    if not monthly:
+        return initial[:, None] + leads.astype("timedelta64[ns]")[None, :]
+    index = pd.DatetimeIndex(initial)
+    return np.stack([(index + pd.DateOffset(months=int(n))).to_numpy() for n in leads], axis=1).astype("datetime64[ns]")
+
+
+def index_in(times: np.ndarray, known: np.ndarray) -> np.ndarray:
+    """Position of each time in ``known`` (exact match), -1 where it is absent."""
+    lookup = {int(t): i for i, t in enumerate(np.asarray(known).astype("datetime64[ns]").astype(np.int64))}
+    flat = np.asarray(times).astype("datetime64[ns]").astype(np.int64).ravel()
+    return np.array([lookup.get(int(t), -1) for t in flat], dtype=np.int64).reshape(np.shape(times))
+
+
+# ----------------------------------------------------------------------------------------- the evaluation
+
+
+def grid_of(ds) -> Grid:
+    """The forecast's variables (with or without levels) and coordinates, checked to be WeatherBench 2's layout."""
+    for dim in ("time", "prediction_timedelta", "latitude", "longitude"):
+        if dim not in ds.dims:
+            raise DataError(f"the forecast has no dimension '{dim}' (found: {', '.join(ds.dims)}): expected "
+                            "WeatherBench 2's layout, as predict.py writes it")
+    if not np.issubdtype(ds["time"].dtype, np.datetime64):
+        raise DataError("the forecast's initial times are not dates (its data recorded none): no verifying time can "
+                        "be matched")
+    variables = {}
+    for name, var in ds.data_vars.items():
+        plain = ("time", "prediction_timedelta", "latitude", "longitude")
+        if var.dims not in (plain, (*plain[:2], "level", *plain[2:])):
+            raise DataError(f"forecast variable {name} has dims {var.dims}, expected {plain} with 'level' after the "
+                            "lead where it has levels")
+        variables[name] = "level" in var.dims
+    if not variables:
+        raise DataError("the forecast holds no data variable")
+    levels = np.asarray(ds["level"].values, dtype=np.float64) if "level" in ds.dims else np.zeros(0)
+    return Grid(variables, levels, np.asarray(ds["latitude"].values, dtype=np.float64),
+                np.asarray(ds["longitude"].values, dtype=np.float64))
+
+
+class Sums:
+    """Per forecast kind and variable: sums over initial times of each lead's per-time statistics and spectra."""
+
+    def __init__(self, kinds: Sequence[str], grid: Grid, leads: int):
+        self.kinds, self.grid = list(kinds), grid
+        self.count = {kind: np.zeros(leads, dtype=np.int64) for kind in self.kinds}
+        self.stats: dict = {kind: {name: {} for name in grid.variables} for kind in self.kinds}
+        self.spectra: dict = {kind: {name: {} for name in grid.variables} for kind in [*self.kinds, "truth"]}
+        self.leads = leads
+
+    def add(self, kind: str, lead: int, forecast: dict, truth: dict, climatology: Optional[dict],
+            weights: np.ndarray) -> None:
+        for name in self.grid.variables:
+            stats = per_time(forecast[name], truth[name], climatology[name] if climatology else None, weights)
+            self._add(self.stats[kind][name], lead, {k: v.sum(axis=0) for k, v in stats.items()})
+            self._add(self.spectra[kind][name], lead, {"energy": self.spectrum(forecast[name], weights)})
+            if kind == "model":  # the truth's own spectrum at the model's verifying times
+                self._add(self.spectra["truth"][name], lead, {"energy": self.spectrum(truth[name], weights)})
+        self.count[kind][lead] += len(next(iter(forecast.values())))
+
+    def spectrum(self, values: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        return zonal_spectrum(values, self.grid.latitude, weights).sum(axis=0)
+
+    def _add(self, into: dict, lead: int, values: dict) -> None:
+        for key, value in values.items():
+            if key not in into:
+                into[key] = np.zeros((self.leads, *value.shape))
+            into[key][lead] += value
+
+
+def evaluate(ds, truth: Fields, climatology: Optional[Climatology], baselines: Sequence[str], chunk: int = 8,
+             progress: Callable[[int], None] = lambda n: None) -> tuple:
+    """(scores, spectra, notes) of the forecast Dataset ``ds`` against ``truth`` (module docstring); ``notes``: what
+    the results' attributes should say (times dropped, the climatology used)."""
+    grid = grid_of(ds)
+    leads, monthly = lead_times(ds)
+    initial = np.asarray(ds["time"].values).astype("datetime64[ns]")
+    verifying = verifying_times(initial, leads, monthly)
+    at = index_in(verifying, truth.times)
+    start_at = index_in(initial, truth.times)
+    if not (at >= 0).any():
+        raise DataError(f"none of the forecast's {verifying.size} verifying times (from {verifying.min()} to "
+                        f"{verifying.max()}) is among the truth's {len(truth.times)} in {truth.where}")
+    if "climatology" in baselines and climatology is None:
+        raise DataError("the climatology baseline needs a climatology: --climatology FILE, or a truth folder with a "
+                        "training split")
+    if climatology is not None:
+        climatology.prepare(verifying[at >= 0])
+    weights = latitude_weights(grid.latitude)
+    kinds = ["model", *[b for b in BASELINES if b in baselines]]
+    sums = Sums(kinds, grid, len(leads))
+    for first in range(0, len(initial), chunk):
+        rows = np.arange(first, min(first + chunk, len(initial)))
+        wanted = sorted({*at[rows][at[rows] >= 0].tolist(), *start_at[rows][start_at[rows] >= 0].tolist()})
+        read = truth.read(wanted)
+        where = {index: k for k, index in enumerate(wanted)}
+        fields = lambda indices: {n: v[[where[i] for i in indices]] for n, v in read.items()}
+        model = {name: np.asarray(ds[name].isel(time=slice(rows[0], rows[-1] + 1)).values) for name in grid.variables}
+        for lead in range(len(leads)):
+            scored = rows[at[rows, lead] >= 0]
+            if not len(scored):
+                continue
+            clim = climatology.at(verifying[scored, lead]) if climatology is not None else None
+            observed = fields(at[scored, lead])
+            sums.add("model", lead, {n: v[scored - first, lead] for n, v in model.items()}, observed, clim, weights)
+            if "climatology" in kinds:
+                sums.add("climatology", lead, clim, observed, clim, weights)
+            if "persistence" in kinds:
+                kept = start_at[scored] >= 0  # the initial state must be in the truth too
+                if kept.any():
+                    pick = lambda d: {n: v[kept] for n, v in d.items()} if d is not None else None
+                    sums.add("persistence", lead, fields(start_at[scored][kept]), pick(observed), pick(clim), weights)
+        progress(len(rows))
+    notes = {"verifying_times_scored": int((at >= 0).sum()), "verifying_times_dropped": int((at < 0).sum()),
+             "verifying_times_dropped_comment": "forecast (initial time, lead) pairs whose verifying time the truth "
+                                                "lacks: not scored",
+             "climatology": climatology.source if climatology is not None else "none: no ACC, no climatology baseline"}
+    if climatology is not None and climatology.substituted:
+        notes["climatology_substituted"] = (f"{climatology.substituted} (day of year, hour) keys the climatology lacks,"
+                                            " served by its nearest time of year")
+    return (*to_datasets(sums, ds, leads, monthly), notes)
+
+
+def to_datasets(sums: Sums, ds, leads: np.ndarray, monthly: bool) -> tuple:
+    """The scores and the spectra as Datasets (module docstring)."""
+    xr = xarray()
+    grid = sums.grid
+    lead_attrs = {"long_name": "lead time of the forecast", **({"units": MONTHS} if monthly else {})}
+    coords = {"metric": ("metric", list(METRICS)), "lead_time": ("lead_time", leads, lead_attrs)}
+    if len(grid.levels):
+        coords["level"] = ("level", grid.levels, dict(ds["level"].attrs))
+    scores, spectra = {}, {}
+    for name, leveled in grid.variables.items():
+        level = ("level",) if leveled else ()
+        units = ds[name].attrs.get("units")
+        table = np.stack([np.stack([over_time(sums.stats[k][name], sums.count[k].reshape(-1, *[1] * leveled))[m]
+                                    for m in METRICS]) for k in sums.kinds])
+        scores[name] = (("forecast", "metric", "lead_time", *level), table.astype(np.float64),
+                        {"long_name": ds[name].attrs.get("long_name", name),
+                         **({"units": f"{units} (rmse, bias, mae); 1 (acc)"} if units else {})})
+        counts = [*[sums.count[k] for k in sums.kinds], sums.count["model"]]
+        energy = np.stack([sums.spectra[k][name]["energy"] / np.reshape(c, (-1, *[1] * (1 + leveled)))
+                           for k, c in zip([*sums.kinds, "truth"], counts)])
+        spectra[name] = (("forecast", "lead_time", *level, "zonal_wavenumber"), energy,
+                         {"long_name": f"zonal energy spectrum of {name}",
+                          **({"units": f"({units})2 m"} if units else {})})
+    samples = xr.DataArray(np.stack([sums.count[k] for k in sums.kinds]), dims=("forecast", "lead_time"),
+                           attrs={"long_name": "initial times scored"})
+    scores_ds = xr.Dataset(scores, coords={"forecast": ("forecast", sums.kinds), **coords, "samples": samples})
+    wavenumbers = spectra[next(iter(spectra))][1].shape[-1]
+    spectra_ds = xr.Dataset(spectra, coords={"forecast": ("forecast", [*sums.kinds, "truth"]),
+                                             "lead_time": coords["lead_time"], **({"level": coords["level"]} if
+                                                                                 "level" in coords else {}),
+                                             "zonal_wavenumber": ("zonal_wavenumber", np.arange(wavenumbers),
+                                                                  {"long_name": "cycles per latitude circle"})})
+    return scores_ds, spectra_ds
