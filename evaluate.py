@@ -29,7 +29,8 @@ import numpy as np
 
 from utils.checkpoint import replaced_atomically, reporting_write_failures
 from utils.data.common import DataError
-from utils.predict.scores import BASELINES, MONTHS, evaluate, grid_of, index_in, lead_times, verifying_times
+from utils.predict.scores import (BASELINES, MONTHS, evaluate, grid_of, index_in, lead_times, scored_pairs,
+                                  verifying_times)
 from utils.predict.truth import Climatology, FolderTruth, StoreTruth, open_store
 from utils.training import OneLineParser, run_cli
 
@@ -94,6 +95,7 @@ def open_truth(args, ds, grid):
         held = [(int((index_in(verifying, FolderTruth(f, grid).times) >= 0).sum()), f) for f in folders]
         split = max(held, key=lambda h: h[0])[1]
     truth = FolderTruth(split, grid)
+    scored_pairs(ds, truth)  # no verifying time there: said before a climatology is looked for
     source = root / args.climatology_split
     if climatology is None and (source.is_dir() or "climatology" in args.baselines):  # else: no ACC, said in attrs
         if source.resolve() == split.resolve():

@@ -186,6 +186,17 @@ class Sums:
             into[key][lead] += value
 
 
+def scored_pairs(ds, truth: Fields) -> tuple[np.ndarray, np.ndarray]:
+    """(verifying times (time, lead), their positions in the truth, -1 where absent); none there: one line."""
+    leads, monthly = lead_times(ds)
+    verifying = verifying_times(ds["time"].values, leads, monthly)
+    at = index_in(verifying, truth.times)
+    if not (at >= 0).any():
+        raise DataError(f"none of the forecast's {verifying.size} verifying times (from {verifying.min()} to "
+                        f"{verifying.max()}) is among the truth's {len(truth.times)} in {truth.where}")
+    return verifying, at
+
+
 def evaluate(ds, truth: Fields, climatology: Optional[Climatology], baselines: Sequence[str], chunk: int = 8,
              progress: Callable[[int], None] = lambda n: None) -> tuple:
     """(scores, spectra, notes) of the forecast Dataset ``ds`` against ``truth`` (module docstring); ``notes``: what
@@ -193,12 +204,8 @@ def evaluate(ds, truth: Fields, climatology: Optional[Climatology], baselines: S
     grid = grid_of(ds)
     leads, monthly = lead_times(ds)
     initial = np.asarray(ds["time"].values).astype("datetime64[ns]")
-    verifying = verifying_times(initial, leads, monthly)
-    at = index_in(verifying, truth.times)
+    verifying, at = scored_pairs(ds, truth)
     start_at = index_in(initial, truth.times)
-    if not (at >= 0).any():
-        raise DataError(f"none of the forecast's {verifying.size} verifying times (from {verifying.min()} to "
-                        f"{verifying.max()}) is among the truth's {len(truth.times)} in {truth.where}")
     if "climatology" in baselines and climatology is None:
         raise DataError("the climatology baseline needs a climatology: --climatology FILE, or a truth folder with a "
                         "training split")

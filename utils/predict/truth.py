@@ -171,7 +171,7 @@ def time_keys(times: np.ndarray) -> np.ndarray:
     import pandas as pd  # xarray's own dependency
 
     index = pd.DatetimeIndex(np.asarray(times).astype("datetime64[ns]"))
-    return np.stack([index.dayofyear.to_numpy(), index.hour.to_numpy()], axis=1)
+    return np.stack([index.day_of_year.to_numpy(), index.hour.to_numpy()], axis=1)
 
 
 def nearest_keys(wanted: np.ndarray, available: np.ndarray) -> np.ndarray:

@@ -1,0 +1,165 @@
+"""evaluate.py and utils/predict/scores.py: WeatherBench 2's definitions by hand (area weights, the RMSE's root after
+the time mean), agreement with an independent scorer (the Bureau of Meteorology's `scores`), an end-to-end run on
+predict.py's store of the tiny ViT against its data folder, bad input, and monthly leads matched by the calendar."""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+
+import evaluate
+import predict
+from tests.test_train import expect_error_in_process
+from utils.predict.scores import latitude_weights, over_time, per_time, verifying_times, zonal_spectrum
+
+xr = pytest.importorskip("xarray")  # requirements-data.txt, as predict.py's outputs
+S22, S67 = np.sin(np.deg2rad(22.5)), np.sin(np.deg2rad(67.5))
+
+
+def test_weights_are_cell_areas_of_mean_one_not_cos_latitude():
+    lat = np.array([90.0, 45.0, 0.0, -45.0, -90.0])  # a regular grid with both poles: the pole cells are half cells
+    areas = np.array([1 - S67, S67 - S22, 2 * S22, S67 - S22, 1 - S67])  # sin(upper) - sin(lower), bounds +-22.5
+    assert areas.sum() == pytest.approx(2.0)  # the whole sphere, from sin(90) - sin(-90)
+    weights = latitude_weights(lat)
+    np.testing.assert_allclose(weights, areas / 0.4, rtol=1e-12)
+    assert weights.mean() == pytest.approx(1.0)
+    np.testing.assert_allclose(latitude_weights(lat[::-1]), weights[::-1], rtol=1e-12)  # either order, by value
+    cos = np.cos(np.deg2rad(lat)) / np.cos(np.deg2rad(lat)).mean()
+    assert weights[0] > 0.19 and cos[0] < 1e-12  # a pole row keeps its cap's area
+    assert abs(weights[2] - cos[2]) > 0.15
+
+
+def test_rmse_is_the_root_of_the_time_mean_not_the_mean_of_roots():
+    truth = np.zeros((2, 2, 3))
+    forecast = np.stack([np.zeros((2, 3)), np.full((2, 3), 2.0)])  # errors 0 then 2 everywhere
+    weights = latitude_weights([45.0, -45.0])
+    stats = per_time(forecast, truth, None, weights)
+    np.testing.assert_allclose(stats["se"], [0.0, 4.0])
+    scores = over_time({k: v.sum(axis=0) for k, v in stats.items()}, 2)
+    assert scores["rmse"] == pytest.approx(np.sqrt(2.0))  # sqrt((0 + 4) / 2)
+    assert np.sqrt(stats["se"]).mean() == pytest.approx(1.0)  # the mean of per-time RMSEs: another number
+    assert scores["bias"] == pytest.approx(1.0) and scores["mae"] == pytest.approx(1.0)
+
+
+def test_agrees_with_the_bureau_of_meteorologys_scores():
+    """The same arrays and WeatherBench 2's weights through `scores` (PyPI, independent of this project)."""
+    continuous = pytest.importorskip("scores.continuous")
+    rng = np.random.default_rng(0)
+    lat, lon = 90.0 - np.arange(9) * 22.5, np.arange(8) * 45.0
+    truth = rng.normal(280.0, 10.0, (5, 9, 8))
+    forecast = truth + rng.normal(0.5, 2.0, truth.shape) * np.linspace(0.2, 2.0, 9)[:, None]
+    weights = latitude_weights(lat)
+    ours = over_time({k: v.sum(axis=0) for k, v in per_time(forecast, truth, None, weights).items()}, 5)
+    coords = {"time": np.arange(5), "latitude": lat, "longitude": lon}
+    as_xr = lambda a: xr.DataArray(a, coords=coords, dims=tuple(coords))
+    w = xr.DataArray(weights, coords={"latitude": lat}, dims=("latitude",))
+    theirs = {"rmse": continuous.rmse(as_xr(forecast), as_xr(truth), weights=w),
+              "mae": continuous.mae(as_xr(forecast), as_xr(truth), weights=w),
+              "bias": continuous.additive_bias(as_xr(forecast), as_xr(truth), weights=w)}
+    for metric, value in theirs.items():
+        assert float(ours[metric]) == pytest.approx(float(value), rel=1e-6, abs=1e-9), metric
+    unweighted = continuous.rmse(as_xr(forecast), as_xr(truth))
+    assert abs(float(unweighted) - float(ours["rmse"])) > 1e-3  # the weights matter on these arrays
+
+
+def test_zonal_spectrum_sums_to_the_circles_mean_square():
+    rng = np.random.default_rng(1)
+    for width in (16, 15):  # with and without a Nyquist wavenumber
+        x = rng.normal(size=(1, width))
+        energy = zonal_spectrum(x, np.array([0.0]), np.array([1.0]))
+        assert energy.shape == (width // 2 + 1,)
+        assert energy.sum() == pytest.approx((x ** 2).mean() * 2 * np.pi * 6.371e6)
+    wave = np.cos(2 * np.pi * 3 * np.arange(16) / 16)[None]
+    assert zonal_spectrum(wave, np.array([0.0]), np.array([1.0])).argmax() == 3
+
+
+# ----------------------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def forecast_store(vit_reference, tmp_path_factory):
+    """predict.py's store of the tiny ViT: 10 initial times of the validation split, 2 leads of 6 h."""
+    out = tmp_path_factory.mktemp("evaluate") / "forecast.zarr"
+    assert predict.main(["--checkpoint", str(vit_reference), "--out", str(out), "--times", "0:10", "--steps", "2",
+                         "--picture", "none", "--progress", "never", "--device", "cpu"]) == 0
+    return out
+
+
+def hand_rmse(forecast: np.ndarray, truth: np.ndarray, lat: np.ndarray) -> float:
+    """WeatherBench 2's RMSE written out: area weights of mean 1, spatial means, time mean, then the root."""
+    half = (lat[0] - lat[1]) / 2
+    upper, lower = np.minimum(lat + half, 90.0), np.maximum(lat - half, -90.0)
+    w = np.sin(np.deg2rad(upper)) - np.sin(np.deg2rad(lower))
+    w = w / w.mean()
+    mse = [(w[:, None] * (f - o) ** 2).mean() for f, o in zip(forecast, truth)]
+    return float(np.sqrt(np.mean(mse)))
+
+
+def test_scores_of_predicts_store_against_the_data_folder(forecast_store, vit_data, tmp_path, capsys):
+    out, png = tmp_path / "scores.nc", tmp_path / "card.png"
+    assert evaluate.main(["--forecast", str(forecast_store), "--truth", str(vit_data), "--out", str(out),
+                          "--png", str(png)]) == 0
+    stdout = capsys.readouterr().out
+    assert "0 dropped" in stdout and "valid" in stdout
+    assert png.stat().st_size > 0 and png.with_suffix(".curves.png").stat().st_size > 0
+    with h5py.File(vit_data / "valid" / "2015.h5") as f:
+        names = [n.decode() if isinstance(n, bytes) else str(n) for n in f["fields"].attrs["channels"]]
+        t2m = f["fields"][:12, names.index("t2m"), :16].astype(np.float64)  # the last row dropped, as predict
+    with xr.open_zarr(forecast_store) as fc, xr.open_dataset(out) as scores:
+        lat = fc.latitude.values
+        model = fc["2m_temperature"].values[:, 0]  # lead 1 of the 10 initial times
+        assert list(scores["2m_temperature"].dims) == ["forecast", "metric", "lead_time"]
+        assert list(scores.forecast.values) == ["model", "persistence", "climatology"]
+        rmse = scores["2m_temperature"].sel(metric="rmse").isel(lead_time=0)
+        assert float(rmse.sel(forecast="model")) == pytest.approx(hand_rmse(model, t2m[1:11], lat), rel=1e-5)
+        assert float(rmse.sel(forecast="persistence")) == pytest.approx(hand_rmse(t2m[0:10], t2m[1:11], lat),
+                                                                       rel=1e-5)
+        assert scores.samples.sel(forecast="persistence").values.tolist() == [10, 10]
+        assert scores.attrs["verifying_times_dropped"] == 0 and "train" in scores.attrs["climatology"]
+        acc = scores["geopotential"].sel(metric="acc", level=500, forecast="persistence")
+        assert np.all((acc.values > -1) & (acc.values <= 1))
+        assert np.isnan(scores["geopotential"].sel(metric="acc", level=500, forecast="climatology")).all()
+    with xr.open_dataset(out, group="spectra") as spectra:
+        assert "truth" in spectra.forecast.values and spectra.zonal_wavenumber.size == 17
+
+
+def test_bad_input_is_one_line_and_leaves_nothing(forecast_store, vit_data, tmp_path, capsys):
+    out = tmp_path / "scores.nc"
+    with xr.open_zarr(forecast_store) as fc:  # a truth store without one of the forecast's variables
+        truth = fc.isel(prediction_timedelta=0).drop_vars("prediction_timedelta").drop_vars("2m_temperature")
+        truth.to_zarr(tmp_path / "truth.zarr", zarr_format=2)
+    cases = {"no variable 2m_temperature": ["--truth", str(tmp_path / "truth.zarr")],
+             "none of the forecast's 20 verifying times": ["--truth", str(vit_data), "--split", "train"],
+             "name a netCDF file": ["--truth", str(vit_data), "--out", str(tmp_path / "scores.zarr")]}
+    for match, extra in cases.items():
+        expect_error_in_process(capsys, "--forecast", str(forecast_store), "--out", str(out), *extra, match=match,
+                                script="evaluate.py")
+        assert not list(tmp_path.glob("*scores*")), match
+
+
+def test_monthly_leads_count_calendar_months(tmp_path):
+    months = np.array(["2015-01-01", "2015-02-01", "2015-03-01", "2015-04-01"], dtype="datetime64[ns]")
+    lat = np.array([-60.0, 0.0, 60.0])  # the truth runs south to north, the forecast north to south
+    field = lambda m: np.broadcast_to((m + 1) * 10.0 + lat[:, None], (3, 4))
+    truth = xr.Dataset({"2m_temperature": (("time", "latitude", "longitude"), np.stack([field(m) for m in range(4)]))},
+                       coords={"time": months, "latitude": lat, "longitude": np.arange(4) * 90.0})
+    truth.to_zarr(tmp_path / "truth.zarr", zarr_format=2)
+    # From January and February, 1 and 2 months ahead: exactly the truth of the calendar month reached.
+    values = np.stack([np.stack([field(start + n)[::-1] for n in (1, 2)]) for start in (0, 1)])
+    forecast = xr.Dataset({"2m_temperature": (("time", "prediction_timedelta", "latitude", "longitude"), values)},
+                          coords={"time": months[:2], "prediction_timedelta": ("prediction_timedelta", [1, 2],
+                                                                               {"units": "calendar months"}),
+                                  "latitude": lat[::-1], "longitude": np.arange(4) * 90.0})
+    forecast.to_zarr(tmp_path / "forecast.zarr", zarr_format=2)
+    out = tmp_path / "scores.nc"
+    assert evaluate.main(["--forecast", str(tmp_path / "forecast.zarr"), "--truth", str(tmp_path / "truth.zarr"),
+                          "--out", str(out), "--baselines", "persistence"]) == 0
+    with xr.open_dataset(out) as scores:
+        assert scores.attrs["verifying_times_dropped"] == 0
+        np.testing.assert_allclose(scores["2m_temperature"].sel(forecast="model", metric="rmse").values, 0, atol=1e-6)
+        persistence = scores["2m_temperature"].sel(forecast="persistence", metric="bias").values
+        np.testing.assert_allclose(persistence, [-10.0, -20.0])  # the initial month, 1 and 2 months behind
+        assert scores.lead_time.attrs["units"] == "calendar months"
+    ends = verifying_times(np.array(["2015-01-31"], dtype="datetime64[ns]"), np.array([1]), monthly=True)
+    assert ends[0, 0] == np.datetime64("2015-02-28")  # a calendar month, not 30 days
