@@ -1,3 +1,4 @@
-"""From a checkpoint to predictions a scientist can use (predict.py, rollout.py): the checkpoint and its model
-(``checkpoints``), the inputs (``inputs``), tiles stitched with a blend (``tiles``), the output store
-(``store``: netCDF / Zarr, WeatherBench 2's layout, resumable region writes by many ranks)."""
+"""From a checkpoint to predictions a scientist can use (predict.py, rollout.py), and their scores (evaluate.py): the
+checkpoint and its model (``checkpoints``), the inputs (``inputs``), tiles stitched with a blend (``tiles``), the
+output store (``store``: netCDF / Zarr, WeatherBench 2's layout, resumable region writes by many ranks), the truth and
+climatology a forecast is judged against (``truth``) and WeatherBench 2's scores (``scores``)."""

@@ -28,7 +28,7 @@ variables, dims ``forecast`` (the same, and ``truth``: the truth at the model's 
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -197,8 +197,7 @@ def scored_pairs(ds, truth: Fields) -> tuple[np.ndarray, np.ndarray]:
     return verifying, at
 
 
-def evaluate(ds, truth: Fields, climatology: Optional[Climatology], baselines: Sequence[str], chunk: int = 8,
-             progress: Callable[[int], None] = lambda n: None) -> tuple:
+def evaluate(ds, truth: Fields, climatology: Optional[Climatology], baselines: Sequence[str], chunk: int = 8) -> tuple:
     """(scores, spectra, notes) of the forecast Dataset ``ds`` against ``truth`` (module docstring); ``notes``: what
     the results' attributes should say (times dropped, the climatology used)."""
     grid = grid_of(ds)
@@ -235,7 +234,6 @@ def evaluate(ds, truth: Fields, climatology: Optional[Climatology], baselines: S
                 if kept.any():
                     pick = lambda d: {n: v[kept] for n, v in d.items()} if d is not None else None
                     sums.add("persistence", lead, fields(start_at[scored][kept]), pick(observed), pick(clim), weights)
-        progress(len(rows))
     notes = {"verifying_times_scored": int((at >= 0).sum()), "verifying_times_dropped": int((at < 0).sum()),
              "verifying_times_dropped_comment": "forecast (initial time, lead) pairs whose verifying time the truth "
                                                 "lacks: not scored",
