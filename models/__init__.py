@@ -128,6 +128,22 @@ def store_complex_as_real(model: nn.Module) -> list[str]:
     return names
 
 
+_REAL_VIEW = ".parametrizations."  # <owner>.parametrizations.<name>.original0: a complex parameter's real view
+
+
+def complex_state_dict(state_dict: dict) -> dict:
+    """A state_dict of :func:`store_complex_as_real`'s model with each real view back under its own name, complex:
+    what the model's own class, built without this project, loads (``load_state_dict``)."""
+    plain = {}
+    for key, value in state_dict.items():
+        owner, found, rest = f".{key}".partition(_REAL_VIEW)  # the leading dot: the root module's own parameters
+        if found and rest.endswith(".original0"):
+            plain[f"{owner}.{rest[:-len('.original0')]}"[1:]] = torch.view_as_complex(value.contiguous())
+        else:
+            plain[key] = value
+    return plain
+
+
 def _arguments(target: Callable, name: str) -> dict[Optional[str], bool]:
     """{argument name: required?} of a class's constructor or a function; the key None if it takes **kwargs."""
     try:

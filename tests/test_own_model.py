@@ -7,6 +7,7 @@ worked example, run by the pages' tests.
 
 from __future__ import annotations
 
+import sys
 import textwrap
 from pathlib import Path
 
@@ -47,9 +48,12 @@ class Mixer(PhysicalUnitsModel):
 
 
 class Spectral(Mixer):
-    def __init__(self, in_chans, mean, std):
-        super().__init__(in_chans, mean, std)
+    def __init__(self, in_chans, mean, std, hidden=8, depth=2):
+        super().__init__(in_chans, mean, std, hidden, depth)
         self.weights = nn.Parameter(torch.randn(4, 4, dtype=torch.cfloat))
+
+    def forward(self, x):
+        return super().forward(x) * (1 + 0.01 * self.weights.abs().mean())
 
 
 class Raw(nn.Module):
@@ -192,3 +196,30 @@ def test_it_trains_and_resumes_like_a_built_in_model(user_folder, vit_data, tmp_
     run_script("train.py", *args, "--max_steps", "6", "--resume", in_process=True)  # the checkpoint finds the model
     code, err = exit_in_one_process(capsys, "train.py", *args, "--model_args.hidden", "4", "--resume", "--max_steps", "8")
     assert code == 2 and "holds a model built with other settings: model_args" in err[-1], err
+
+
+def test_a_complex_weight_model_resumes_exactly_and_loads_into_its_own_class(user_folder, vit_data, tmp_path):
+    """4 steps straight and 2 + 2 resumed end with the same bits; the checkpoint, its complex weights given back
+    under their own names, loads into the model's class built without this project."""
+    from models import complex_state_dict
+    common = ["--config_file", str(user_folder / "configs.yaml"), "--config", "mixer", "--model_class",
+              "mymodels:Spectral", "--data_dir", str(vit_data), "--batch_size", "4", "--val_samples", "0",
+              "--progress", "never"]
+    run_script("train.py", *common, "--run_dir", str(tmp_path / "straight"), "--max_steps", "4", in_process=True)
+    run_script("train.py", *common, "--run_dir", str(tmp_path / "resumed"), "--max_steps", "2", in_process=True)
+    run_script("train.py", *common, "--run_dir", str(tmp_path / "resumed"), "--max_steps", "4", "--resume",
+               in_process=True)
+    straight, resumed = (torch.load(tmp_path / run / "checkpoints" / "step_00000004.pt", weights_only=False)["model"]
+                         for run in ("straight", "resumed"))
+    assert "parametrizations.weights.original0" in straight
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight) and straight.keys() == resumed.keys()
+    sys.path.insert(0, str(user_folder))
+    try:
+        import mymodels
+        own = mymodels.Spectral(20, [0.0] * 20, [1.0] * 20)
+    finally:
+        sys.path.remove(str(user_folder))
+    plain = complex_state_dict(straight)
+    own.load_state_dict(plain)
+    assert own.weights.is_complex() and torch.equal(torch.view_as_real(own.weights.detach()),
+                                                    straight["parametrizations.weights.original0"])
