@@ -34,12 +34,11 @@ import numpy as np
 
 from utils.data.common import DataError
 from utils.predict.truth import Climatology, Fields, Grid
-from utils.predict.store import xarray
+from utils.predict.store import MONTHS, xarray
 
 METRICS = ("rmse", "bias", "mae", "acc")
 BASELINES = ("persistence", "climatology")
 EARTH_RADIUS_M = 6.371e6
-MONTHS = "calendar months"  # predict.py's unit of monthly leads
 
 
 # ----------------------------------------------------------------------------------------- definitions

@@ -39,6 +39,7 @@ SHORT_TO_LONG = {short: long for long, short in LONG_NAMES.items()}
 REQUEST = "request.json"
 FORMATS = {".zarr": "zarr", ".nc": "netcdf", ".nc4": "netcdf"}
 INSTALL_DATA = "pip install -r requirements-data.txt -c constraints.txt (make install-data)"
+MONTHS = "calendar months"  # the unit of monthly leads in prediction_timedelta (evaluate.py reads it)
 
 
 def xarray():
@@ -124,7 +125,7 @@ class Layout:
         monthly = self.leads is not None and not np.issubdtype(self.leads.dtype, np.timedelta64)
         if self.leads is not None:
             names["prediction_timedelta"] = (self.leads, {"long_name": "lead time of the forecast", **(
-                {"units": "calendar months", "comment": "monthly data: the verifying time is the initial time plus "
+                {"units": MONTHS, "comment": "monthly data: the verifying time is the initial time plus "
                  "this many calendar months, no fixed duration"} if monthly else {})})
         if len(self.levels):
             names["level"] = (self.levels, {"units": "hPa", "long_name": "pressure level", "positive": "down",

@@ -91,9 +91,9 @@ class FolderTruth(Fields):
                 raise DataError(f"{split_dir}: no channel of forecast variable {name} (its channels: "
                                 f"{', '.join(names)})")
         stored, width = self.split.files[0].height, self.split.files[0].width
-        latitude = 90.0 - np.arange(stored - 1) * 180.0 / (stored - 1)  # inputs.py's grid: the 90S row dropped
-        self.rows = positions(grid.latitude, latitude, "latitude", self.where)
-        self.columns = positions(grid.longitude, np.arange(width) * 360.0 / width, "longitude", self.where, 360.0)
+        coords = self.split.grid(1, (stored - 1, width))  # the grid predict.py writes: the 90S row dropped
+        self.rows = positions(grid.latitude, coords["latitude"][0], "latitude", self.where)
+        self.columns = positions(grid.longitude, coords["longitude"][0], "longitude", self.where, 360.0)
 
     def read(self, indices: Sequence[int]) -> dict[str, np.ndarray]:
         fields = np.stack([self.split.read(i).numpy() for i in indices]) if len(indices) else np.zeros(
