@@ -140,7 +140,7 @@ def format_table(estimate: MemoryEstimate) -> str:
             row(key.replace("_", " "), value, indent=6)
     row("temporary peak (backward)", estimate.temporary, accuracy["temporary"])
     lines.append(f"  {'-' * 48}")
-    row("total (upper bound of the peak)", estimate.total)
+    row("total (estimated peak)", estimate.total)
     if s["device_type"] == "cuda":
         fits = "; ".join(f"fits {size} GB: {'yes' if estimate.total <= size * GB else 'no'}" for size in GPU_SIZES_GB)
         lines.append(f"  per GPU: {fits} (not counted: the CUDA context, the caching allocator's fragmentation)")

@@ -101,15 +101,18 @@ def test_autocast_runs_matmuls_in_the_low_precision_and_none_is_plain_fp32():
             assert layer(x).dtype == dtype
 
 
-def test_tf32_switch_follows_the_config_on_cuda(monkeypatch):
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+def test_tf32_and_cudnn_benchmark_switches_follow_the_config_on_cuda(monkeypatch):
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     try:
         for tf32 in (False, True):
-            configure_backends(build_config("quickstart", {"tf32": tf32}))
+            configure_backends(build_config("quickstart", {"tf32": tf32, "cudnn_benchmark": not tf32}))
             assert torch.backends.cuda.matmul.allow_tf32 is tf32 and torch.backends.cudnn.allow_tf32 is tf32
+            assert torch.backends.cudnn.benchmark is (not tf32)
+        assert build_config("unet3d_base").train.cudnn_benchmark and not build_config("quickstart").train.cudnn_benchmark
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+        (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+         torch.backends.cudnn.benchmark) = saved
 
 
 # ------------------------------------------------------------------ activation checkpointing

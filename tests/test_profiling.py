@@ -4,6 +4,7 @@ off == train.py."""
 import gzip
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -161,6 +162,29 @@ def test_breakdown_names_what_bounds_the_run(io, synthetic, full, verdict):
                                         "full_samples_per_sec": full}, batch_size=16, steps=10)
     assert verdict in table.splitlines()[-1]
     assert [line.split()[0] for line in table.splitlines()[1:4]] == ["IO", "SYNTHETIC", "FULL"]
+
+
+class _SlowSamples(torch.utils.data.Dataset):
+    """A sample takes 0.1 s to read: four workers deliver 40 samples/s, in rounds of four."""
+
+    def __len__(self):
+        return 1000
+
+    def __getitem__(self, index):
+        time.sleep(0.1)
+        return torch.zeros(2), torch.zeros(2)
+
+
+def test_breakdown_times_whole_rounds_of_the_loaders_workers(tmp_path, capsys):
+    # 5 timed batches of 4 workers span two rounds (0.2 s) for 5 batches: 25 samples/s, and FULL (which
+    # the training step desynchronises) then beat IO: "inconclusive" on an H200 with 8 workers and 10 steps.
+    loader = torch.utils.data.DataLoader(_SlowSamples(), batch_size=1, num_workers=4, prefetch_factor=1)
+    model = torch.nn.Linear(2, 2)
+    rates = profiling.throughput_breakdown(
+        profile_config(tmp_path, profile=True, breakdown_steps=5), loader, model, torch.optim.SGD(model.parameters(), lr=0.1),
+        torch.nn.functional.mse_loss, torch.amp.GradScaler("cpu", enabled=False), torch.device("cpu"))
+    assert 0.85 * 40 < rates["io_samples_per_sec"] < 1.05 * 40, rates
+    assert "5 timed steps per phase; IO and FULL 8, whole rounds of the loader's workers" in capsys.readouterr().out
 
 
 @pytest.fixture

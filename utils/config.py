@@ -192,6 +192,10 @@ class TrainConfig:
     CUDA graph and replays them, saving the per-kernel launch cost (CUDA only)."""
     tf32: bool = True
     """Allow TF32 matmuls/convolutions on CUDA (no effect on CPU)."""
+    cudnn_benchmark: bool = False
+    """cuDNN times its convolution algorithms on each new input shape and keeps the fastest (CUDA only). Worth it
+    for convolutional models on fixed shapes (SC22's U-Net sets it); the choice may differ between runs, so two runs
+    need not be bit-identical."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: CUDA if available, else CPU."""
     log_every: int = 10

@@ -577,7 +577,8 @@ def throughput_breakdown(cfg: Config, loader, model, optimizer, loss_fn, scaler,
     - FULL: loader, copy to the device and training step, as in the real loop.
 
     Warm-up: the loader's queue (num_workers x prefetch_factor batches) fills before timing starts,
-    so FULL measures the steady state. Reads of data read during training may come from the page
+    so FULL measures the steady state; IO and FULL time whole rounds of the workers (steps rounded up
+    to a multiple of num_workers). Reads of data read during training may come from the page
     cache, making IO optimistic against a cold parallel file system.
     """
     p, amp_dtype = cfg.profile, cfg.train.amp_dtype
@@ -586,6 +587,10 @@ def throughput_breakdown(cfg: Config, loader, model, optimizer, loss_fn, scaler,
         return None
     steps = p.breakdown_steps
     queue = max(1, loader.num_workers * (loader.prefetch_factor or 1))
+    # Workers started together deliver their batches in rounds of num_workers; timing part of a round
+    # counts a round's wait for a fraction of its batches (10 steps of 8 workers: 5/8 of the rate).
+    workers = max(1, loader.num_workers)
+    loader_steps = -(-steps // workers) * workers
 
     def to_device(batch):
         return [tensor.to(device, non_blocking=True) for tensor in batch]
@@ -601,20 +606,20 @@ def throughput_breakdown(cfg: Config, loader, model, optimizer, loss_fn, scaler,
         return inputs.shape[0]
 
     batches = _endless(loader)
-    io_rate = _samples_per_sec(lambda: len(next(batches)[0]), steps, queue, device)
+    io_rate = _samples_per_sec(lambda: len(next(batches)[0]), loader_steps, queue, device)
     cached = to_device(next(batches))
     synthetic_rate = _samples_per_sec(lambda: train_step(*cached), steps, 2, device)
     batches = _endless(loader)  # a fresh iterator: its queue fills during FULL's own warm-up
-    full_rate = _samples_per_sec(lambda: train_step(*to_device(next(batches))), steps, queue, device)
+    full_rate = _samples_per_sec(lambda: train_step(*to_device(next(batches))), loader_steps, queue, device)
     batches = cached = None  # free the loader's workers and the cached batch (a del here trips pyflakes: lambdas)
 
     rates = {"io_samples_per_sec": io_rate, "synthetic_samples_per_sec": synthetic_rate,
              "full_samples_per_sec": full_rate}
-    _say(format_breakdown(rates, batch_size=loader.batch_size, steps=steps))
+    _say(format_breakdown(rates, batch_size=loader.batch_size, steps=steps, loader_steps=loader_steps))
     return rates
 
 
-def format_breakdown(rates: dict[str, float], batch_size: int, steps: int) -> str:
+def format_breakdown(rates: dict[str, float], batch_size: int, steps: int, loader_steps: Optional[int] = None) -> str:
     """The IO / SYNTHETIC / FULL table and which one bounds the run."""
     io_rate, synthetic, full = (rates[f"{k}_samples_per_sec"] for k in ("io", "synthetic", "full"))
     if full > 1.1 * min(io_rate, synthetic):
@@ -631,7 +636,9 @@ def format_breakdown(rates: dict[str, float], batch_size: int, steps: int) -> st
         verdict = (f"bound by compute: FULL is {full / synthetic:.0%} of SYNTHETIC and the loader is "
                    f"{io_rate / synthetic:.1f}x faster; speed up the step (AMP, torch.compile), not the loader")
     return "\n".join([
-        f"throughput breakdown (samples/s on this rank, batch {batch_size}, {steps} timed steps per phase):",
+        f"throughput breakdown (samples/s on this rank, batch {batch_size}, {steps} timed steps per phase"
+        + (f"; IO and FULL {loader_steps}, whole rounds of the loader's workers" if loader_steps not in (None, steps)
+           else "") + "):",
         f"  IO         data loader alone                 {io_rate:10.1f}",
         f"  SYNTHETIC  training step on a cached batch   {synthetic:10.1f}",
         f"  FULL       data loader + training step       {full:10.1f}",
