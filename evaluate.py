@@ -32,7 +32,8 @@ from utils.data.common import DataError
 from utils.predict.scores import (BASELINES, MONTHS, evaluate, grid_of, index_in, lead_times, scored_pairs,
                                   verifying_times)
 from utils.predict.truth import Climatology, FolderTruth, StoreTruth, open_store
-from utils.training import OneLineParser, run_cli
+from utils.cli import OneLineParser
+from utils.training import run_cli
 
 CURVE_ROWS = (("geopotential", 500.0), ("temperature", 850.0), ("2m_temperature", None),
               ("10m_u_component_of_wind", None))  # WeatherBench 2's headline variables, where present

@@ -11,7 +11,7 @@ or bare weights such as the original SwinIR's with --config NAME), whatever its 
 
 - sr: each time's field, downsampled as in training, from a split of the training layout (--data_dir, --split:
   the checkpoint's data and validation split by default), or coarse fields from netCDF / GRIB / Zarr of any
-  centre (--input, read by datasets/foreign.py's rules: the config's channel names, --rename for others).
+  centre (--input, read by utils/data/foreign.py's rules: the config's channel names, --rename for others).
 - forecast: each initial time rolled forward --steps model steps (a forecast fed back, as rollout.py does);
   written as WeatherBench 2 lays forecasts out: ``time`` (initial), ``prediction_timedelta``.
 - volume: the whole box of each input (the split's, or --input files in SC22's layout).
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from datasets.foreign import ForeignDataError, open_fields, parse_rename
+from utils.data.foreign import ForeignDataError, open_fields, parse_rename
 from utils.checkpoint import reporting_write_failures
 from utils.config import ConfigError
 from utils.data.common import DataError
@@ -56,7 +56,8 @@ from utils.predict.inputs import (Boxes, CoarseFields, Inputs, SplitFields, hour
 from utils.predict.store import Layout, Store, channel_values, output_format, xarray
 from utils.predict.tiles import DEFAULT_OVERLAP, tile_spans, tiled
 from utils.stopping import EXIT_STOPPED, StopRequest, heartbeat, stop_watching
-from utils.training import OneLineParser, configure_backends, pick_device, run_cli, show_progress
+from utils.cli import OneLineParser
+from utils.training import configure_backends, pick_device, run_cli, show_progress
 
 TASKS = ("sr", "forecast", "volume")
 DEFAULT_STEPS = 4

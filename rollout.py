@@ -39,7 +39,8 @@ from utils.observe.logger import json_safe
 from utils.precision import autocast
 from utils.predict.checkpoints import config_from_checkpoint, load_model, read_checkpoint
 from utils.tasks import Forecast, build_task
-from utils.training import OneLineParser, configure_backends, pick_device, run_cli
+from utils.cli import OneLineParser
+from utils.training import configure_backends, pick_device, run_cli
 
 FORECASTER = "rollout needs a forecaster (task forecast, Part II's ViT)"
 METRICS = ("rmse", "acc", "persistence_rmse", "persistence_acc", "climatology_rmse", "climatology_acc")

@@ -45,6 +45,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from utils.cli import OneLineParser  # noqa: E402
 from utils.config import lr_scale, parse_config  # noqa: E402  (no torch: this process only runs train.py)
 
 RULES = ("none", "sqrt", "linear")
@@ -63,11 +64,6 @@ def fail(message: str, code: int = 2) -> None:
     """Bad input (or a failed run): one line on stderr, and a non-zero exit."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(code)
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:
-        fail(f"{message} (see --help)")
 
 
 def relative_error(record: dict) -> tuple[float, str]:
@@ -192,7 +188,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
-    parser = _OneLineParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="quickstart", help="named config (quickstart, vit_quickstart, ...)")
     parser.add_argument("--batches", type=int, nargs="+", default=[2, 8, 32], help="global batch sizes")
     parser.add_argument("--rules", nargs="+", choices=RULES, default=list(RULES), help="lr scaling rules")

@@ -20,11 +20,11 @@ from typing import Optional, Sequence
 if __package__:  # imported as datasets.cds_request
     from .compute_stats import OneLineParser
     from .convert import PRESETS
-    from .foreign import ALIASES, DERIVED, LONG_NAMES
+    from utils.data.foreign import ALIASES, DERIVED, LONG_NAMES
 else:  # run as a script: datasets/ is on sys.path
     from compute_stats import OneLineParser
     from convert import PRESETS
-    from foreign import ALIASES, DERIVED, LONG_NAMES
+    from utils.data.foreign import ALIASES, DERIVED, LONG_NAMES
 
 try:  # optional: only the download needs it
     import cdsapi

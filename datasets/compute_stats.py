@@ -37,6 +37,9 @@ from typing import Optional, Sequence
 import h5py
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for utils/ when run as a script
+from utils.cli import OneLineParser  # noqa: E402  (the standard library only: no torch here)
+
 FIELDS_KEY = "fields"
 STATS_DIR = "stats"
 OUTPUTS = ("global_means", "global_stds", "time_means")
@@ -179,13 +182,6 @@ def cannot_write(error: OSError, out: Path) -> str:
     except OSError:
         return line
     return f"{line} ({free / 1e6:.1f} MB free on that file system); free space or choose another output folder"
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a usage error as one line (not the usage block)."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):

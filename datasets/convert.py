@@ -14,7 +14,7 @@ SuperBench's and NERSC's ERA5 (datasets/README.md) and what utils/data/era5.py r
                             1970-01-01 of each sample)
     DIR/stats/*.npy         compute_stats.py's statistics of the train split only (streamed)
 
-- Reading (datasets/foreign.py, the rules a prediction's inputs are read with too): axes by their CF
+- Reading (utils/data/foreign.py, the rules a prediction's inputs are read with too): axes by their CF
   attributes, then by name; variables by ``--rename``, CDS/WeatherBench 2, CMIP6 and MERRA-2 names; values
   converted to each channel's unit where the file states another (km/h, degrees Celsius, hPa, geopotential height).
 - Channels: a variable (``u10``, ``10m_u_component_of_wind``, ``uas``), or a variable and a pressure level in
@@ -53,14 +53,14 @@ from tqdm import tqdm
 if __package__:  # imported as datasets.convert
     from .compute_stats import (FIELDS_KEY, STATS_DIR, DefaultsOnce, OneLineParser, StatsError, compute_stats,
                                 errors_as_one_line)
-    from .foreign import (DERIVED, INSTALL, ForeignDataError, Source, axis_order, common_times,
+    from utils.data.foreign import (DERIVED, INSTALL, ForeignDataError, Source, axis_order, common_times,
                           default_channels, grid, open_sources, parse_rename, read_rename_file, resolve_channel,
                           stored_unit, xr)
     from .make_synthetic_era5 import CHANNELS as SUPERBENCH_CHANNELS, NERSC_CHANNELS, _parse_split
 else:  # run as a script: datasets/ is on sys.path
     from compute_stats import (FIELDS_KEY, STATS_DIR, DefaultsOnce, OneLineParser, StatsError, compute_stats,
                                errors_as_one_line)
-    from foreign import (DERIVED, INSTALL, ForeignDataError, Source, axis_order, common_times,
+    from utils.data.foreign import (DERIVED, INSTALL, ForeignDataError, Source, axis_order, common_times,
                          default_channels, grid, open_sources, parse_rename, read_rename_file, resolve_channel,
                          stored_unit, xr)
     from make_synthetic_era5 import CHANNELS as SUPERBENCH_CHANNELS, NERSC_CHANNELS, _parse_split

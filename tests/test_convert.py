@@ -13,8 +13,9 @@ import pandas as pd
 import pytest
 import xarray as xr
 
-from datasets import cds_request, convert, foreign
-from datasets.foreign import open_fields
+from datasets import cds_request, convert
+from utils.data import foreign
+from utils.data.foreign import open_fields
 from tests.conftest import REPO, TINY_MODEL, read_metrics, run_script
 from utils.data.era5 import NAMES_ATTR, SEGMENTS_ATTR, STEP_ATTR, ERA5Dataset, YearFile, lead_time, pair_starts
 

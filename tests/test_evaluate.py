@@ -63,13 +63,18 @@ def test_agrees_with_the_bureau_of_meteorologys_scores():
     assert abs(float(unweighted) - float(ours["rmse"])) > 1e-3  # the weights matter on these arrays
 
 
-def test_zonal_spectrum_sums_to_the_circles_mean_square():
+def test_zonal_spectrum_follows_weatherbench2s_definition():
+    # WB2's ZonalEnergySpectrum: S_0 = C |F_0|^2, S_k = 2 C |F_k|^2 for every k > 0 (Nyquist too), F = DFT / L, C the
+    # circle's length with R = 6,367.5 km. Without a Nyquist term the sum is the circle's mean square times C.
     rng = np.random.default_rng(1)
+    circle = 2 * np.pi * 6.3675e6 * np.cos(np.deg2rad(30.0))
     for width in (16, 15):  # with and without a Nyquist wavenumber
         x = rng.normal(size=(1, width))
-        energy = zonal_spectrum(x, np.array([0.0]), np.array([1.0]))
-        assert energy.shape == (width // 2 + 1,)
-        assert energy.sum() == pytest.approx((x ** 2).mean() * 2 * np.pi * 6.371e6)
+        energy = zonal_spectrum(x, np.array([30.0]), np.array([1.0]))
+        coefficients = np.array([(x[0] * np.exp(-2j * np.pi * k * np.arange(width) / width)).mean()
+                                 for k in range(width // 2 + 1)])
+        assert energy == pytest.approx(np.abs(coefficients) ** 2 * circle * np.r_[1, [2] * (width // 2)], rel=1e-12)
+    assert energy.sum() == pytest.approx((x ** 2).mean() * circle)  # width 15
     wave = np.cos(2 * np.pi * 3 * np.arange(16) / 16)[None]
     assert zonal_spectrum(wave, np.array([0.0]), np.array([1.0])).argmax() == 3
 

@@ -32,6 +32,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from utils.cli import OneLineParser
 from utils.config_checks import BUILT_IN_MODELS, validate
 from utils.config_files import CONFIG_DIR, ConfigError, load_named_configs, named_config
 
@@ -508,12 +509,11 @@ def config_from_args(args: argparse.Namespace, script_defaults: Optional[dict[st
 _NEGATIVE = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
-class _OneLineErrorParser(argparse.ArgumentParser):
-    def error(self, message: str) -> typing.NoReturn:
+class _TrainingParser(OneLineParser):
+    def explain(self, message: str) -> str:
         if "unrecognized arguments" in message:
-            message += f"; valid keys: {', '.join(sorted(KEYS))} (see --help)"
-        # Under torchrun every rank parses the same command line: one of them says what is wrong.
-        self.exit(2, f"{self.prog}: error: {message}\n" if os.environ.get("RANK", "0") == "0" else None)
+            return f"{message}; valid keys: {', '.join(sorted(KEYS))} (see --help)"
+        return message
 
 
 def _join_negative_values(argv: list[str]) -> list[str]:
@@ -536,7 +536,7 @@ def parse_config(description: str = "", argv: Optional[list[str]] = None, extra_
     ``script_defaults``: this script's own defaults for some keys (see build_config).
     """
     first_line = (description or "").strip().splitlines()[0] if description else None
-    parser = _OneLineErrorParser(description=first_line, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = _TrainingParser(description=first_line, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     if extra_args is not None:
         extra_args(parser)
     add_config_args(parser)

@@ -6,7 +6,6 @@ The training step itself is written out in each script; only the objects it uses
 
 from __future__ import annotations
 
-import argparse
 import faulthandler
 import functools
 import math
@@ -219,14 +218,6 @@ ERROR_EXIT_BOUND_S = 20.0
 not arrive takes 3 s, bounded also when the store's host is frozen): past it faulthandler ends the rank, exit 1."""
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer")
 """gloo's words for a collective whose peer process has exited: the error is another rank's consequence."""
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """The command line of a tool (rollout.py, predict.py): a bad argument is one line and exit code 2, said by rank 0
-    alone under torchrun (every rank parses the same line)."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n" if os.environ.get("RANK", "0") == "0" else None)
 
 
 def run_cli(main: Callable[[], Optional[int]]) -> None:

@@ -63,10 +63,6 @@ class TensorParallelPlan:
     """Attention modules whose q, k and v are one Linear: split by rows, then regrouped by heads."""
     local_output: bool = False
     """Replicated modules hand plain tensors on (the model's code between layers expects them)."""
-    min_torch: tuple[int, int] = (0, 0)
-    """The oldest torch (major, minor) whose DTensor runs the plan's backward; older ones are refused in one line."""
-    min_torch_why: str = ""
-    """What needs that torch, for the refusal's line."""
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from utils.config import ConfigError
 from utils.parallel.plans import missing_plan, model_plan
-from utils.parallel.versions import replicated_convolutions_locally, require_torch
+from utils.parallel.versions import replicated_convolutions_locally
 
 
 def _heads_of_this_rank(attn: nn.Module, mesh) -> None:
@@ -76,7 +76,6 @@ def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
     plan = model_plan(model).tp
     if plan is None:
         raise missing_plan(model, "tensor-parallel", "--tp 1")
-    require_torch(f"tensor parallelism of {type(model).__name__}", plan.min_torch, plan.min_torch_why)
     for heads in plan.heads(model):
         check_heads(heads, tp_mesh.size())
     parallelize_module(model, tp_mesh, plan.styles(model))

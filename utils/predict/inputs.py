@@ -7,7 +7,7 @@ the truth; the coordinates of the output; which items to predict (``--times``).
   Times come from the file's ``time`` dataset (datasets/convert.py writes it), else from the file's year and its
   step (``time_step`` / ``hours_per_step``, hours or calendar months; 8760 h / samples when neither is recorded); the grid is the layout's:
   rows from 90N to 90S with both poles stored (the last row dropped, as the loader does), columns east from 0.
-- :class:`CoarseFields`: coarse fields from netCDF / GRIB / Zarr of any centre, read by datasets/foreign.py's
+- :class:`CoarseFields`: coarse fields from netCDF / GRIB / Zarr of any centre, read by utils/data/foreign.py's
   rules (the caller opens them: an xarray DataArray (time, channel, lat, lon), rows north to south). Task sr only;
   no truth. The fine grid puts fine cell j at coarse index (j - (s - 1) / 2) / s, the geometry of the training
   pairs (bicubic downsampling, align_corners=False).
@@ -142,7 +142,7 @@ class SplitFields(Inputs):
 
 
 class CoarseFields(Inputs):
-    """Coarse fields of another centre (an xarray DataArray from datasets/foreign.py's ``open_fields``)."""
+    """Coarse fields of another centre (an xarray DataArray from utils/data/foreign.py's ``open_fields``)."""
 
     def __init__(self, fields, sources: Sequence[str]):
         self.fields, self.source = fields, ", ".join(map(str, sources))

@@ -14,10 +14,12 @@ Definitions (WeatherBench 2, weatherbench2/metrics.py; Rasp et al. 2024, "Weathe
   ERA5 1990-2019, here the truth folder's training split or a given file). The climatology as a forecast has no
   anomaly: its ACC is undefined, NaN. (The training logs' ACC keeps NERSC's convention instead: one time-mean
   climatology, cos-latitude weights; utils/observe/scores.py.)
-- zonal energy spectrum of a field: per latitude circle, E_k = c_k |X_k|^2 L, where X_k is the k-th coefficient of
-  the discrete Fourier transform along longitude divided by the number of points, c_k = 2 for wavenumbers that stand
-  for +k and -k (1 to below Nyquist), 1 for k = 0 and Nyquist (so sum_k c_k |X_k|^2 is the circle's mean square),
-  and L = 2 pi R cos(latitude) the circle's length; averaged over latitudes with the weights above, then over times.
+- zonal energy spectrum of a field, as WeatherBench 2's ZonalEnergySpectrum: per latitude circle, E_k = c_k |X_k|^2 L,
+  where X_k is the k-th coefficient of the discrete Fourier transform along longitude divided by the number of
+  points, c_0 = 1 and c_k = 2 for every k > 0 (WB2 doubles the Nyquist wavenumber too, so with an even number of
+  longitudes the sum exceeds the circle's mean square by that term), and L = 2 pi R cos(latitude) the circle's
+  length, R = 6,367.5 km (WB2's: the mean of the equatorial and polar radii). WB2 keeps the latitude dimension; here
+  the spectra are averaged over latitudes with the weights above, then over times.
 
 Results: a Dataset with one data variable per forecast variable, dims ``forecast`` (model, persistence,
 climatology), ``metric`` (rmse, bias, mae, acc), ``lead_time``, and ``level`` where the variable has levels; the
@@ -38,7 +40,7 @@ from utils.predict.store import MONTHS, xarray
 
 METRICS = ("rmse", "bias", "mae", "acc")
 BASELINES = ("persistence", "climatology")
-EARTH_RADIUS_M = 6.371e6
+EARTH_RADIUS_M = 1000 * (6357 + 6378) / 2  # WeatherBench 2's (schema.py)
 
 
 # ----------------------------------------------------------------------------------------- definitions
@@ -92,7 +94,7 @@ def zonal_spectrum(x: np.ndarray, latitude: np.ndarray, weights: np.ndarray) -> 
     """Energy per zonal wavenumber (module docstring): (..., latitude, longitude) -> (..., wavenumber)."""
     n = x.shape[-1]
     power = np.abs(np.fft.rfft(x.astype(np.float64), axis=-1) / n) ** 2
-    power[..., 1:(n + 1) // 2] *= 2  # +k and -k; not k = 0, nor Nyquist (n even)
+    power[..., 1:] *= 2  # +k and -k, Nyquist included (as WeatherBench 2 counts it)
     length = 2 * np.pi * EARTH_RADIUS_M * np.cos(np.deg2rad(np.asarray(latitude, dtype=np.float64)))
     return (power * (length * weights)[:, None]).mean(axis=-2)
 

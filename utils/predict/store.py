@@ -31,7 +31,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch.distributed as dist
 
-from datasets.foreign import ALIASES, DERIVED, LONG_NAMES, UNITS
+from utils.data.foreign import ALIASES, DERIVED, LONG_NAMES, UNITS
 from utils.checkpoint import replaced_atomically
 from utils.data.common import DataError
 
