@@ -97,7 +97,8 @@ def checked(cfg: Config, args, world: int) -> Config:
 
 def random_batches(cfg: Config, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``steps`` global batches of (input, target) with the shapes the config's task feeds the model, in its
-    units: physical fields around the config's mean and std (sr, forecast), or the stored cubes (volume)."""
+    units: physical fields around the config's mean and std (sr, forecast; diagnostic: each side its own), or the
+    stored cubes (volume)."""
     m, task, batch = cfg.model, cfg.data.task, cfg.train.batch_size
     g = torch.Generator().manual_seed(cfg.train.seed)
     if task == "volume":  # utils/data/volume.py stores its fields scaled into the U-Net's tanh range
@@ -105,9 +106,10 @@ def random_batches(cfg: Config, steps: int) -> list[tuple[torch.Tensor, torch.Te
         return [tuple(0.3 * torch.randn(batch, c, side, side, side, generator=g) for c in (m.in_chans, m.out_chans))
                 for _ in range(steps)]
     (h, w), s = m.img_hw, m.upscale if task == "sr" else 1
-    mean, std = (torch.tensor(v).view(1, -1, 1, 1) for v in (m.mean, m.std))
+    mean, std, out_mean, out_std = (torch.tensor(v).view(1, -1, 1, 1)
+                                    for v in (m.mean, m.std, m.out_mean or m.mean, m.out_std or m.std))
     return [(mean + std * torch.randn(batch, m.in_chans, h, w, generator=g),
-             mean + std * torch.randn(batch, m.in_chans, h * s, w * s, generator=g)) for _ in range(steps)]
+             out_mean + out_std * torch.randn(batch, cfg.target_chans, h * s, w * s, generator=g)) for _ in range(steps)]
 
 
 @dataclass(frozen=True)

@@ -28,11 +28,11 @@ from typing import Optional
 import numpy as np
 
 from utils.checkpoint import replaced_atomically, reporting_write_failures
+from utils.cli import OneLineParser
 from utils.data.common import DataError
 from utils.predict.scores import (BASELINES, MONTHS, evaluate, grid_of, index_in, lead_times, scored_pairs,
                                   verifying_times)
 from utils.predict.truth import Climatology, FolderTruth, StoreTruth, open_store
-from utils.cli import OneLineParser
 from utils.training import run_cli
 
 CURVE_ROWS = (("geopotential", 500.0), ("temperature", 850.0), ("2m_temperature", None),
@@ -55,8 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--baselines", nargs="*", choices=BASELINES, default=list(BASELINES),
                         help="baselines scored beside the model (default: both; none: give the flag alone)")
     parser.add_argument("--png", default=None, help="scorecard picture (and <png>.curves.png beside it)")
-    parser.add_argument("--reference", choices=BASELINES, default="persistence",
-                        help="the scorecard's reference (default persistence)")
+    parser.add_argument("--reference", choices=BASELINES, default=None,
+                        help="the scorecard's reference (default persistence; climatology for fields without leads)")
     parser.add_argument("--chunk", type=int, default=8, help="initial times read at once (default 8)")
     return parser.parse_args(argv)
 
@@ -69,10 +69,23 @@ def check_args(args: argparse.Namespace) -> None:
             raise DataError(f"--out/--png {out} exists: choose another name, or delete it to evaluate again")
     if args.png and Path(args.png).suffix.lower() != ".png":
         raise DataError(f"--png {args.png}: name a .png file")
-    if args.png and args.reference not in args.baselines:
-        raise DataError(f"--reference {args.reference} is not among --baselines ({', '.join(args.baselines) or 'none'})")
     if args.chunk < 1:
         raise DataError(f"--chunk must be >= 1, got {args.chunk}")
+
+
+def without_leads_at_lead_0(ds, args):
+    """A store of fields at their own times (predict.py's for tasks sr and diagnostic: no prediction_timedelta) is
+    scored at lead 0; persistence, which at lead 0 is the truth itself, is left out."""
+    if "prediction_timedelta" in ds.dims or "time" not in ds.dims:
+        return ds  # grid_of says what else is wrong
+    dropped = "persistence" in args.baselines
+    args.baselines = [b for b in args.baselines if b != "persistence"]
+    if args.reference == "persistence":
+        raise DataError(f"{args.forecast} holds fields without lead times (a diagnostic or super-resolution model's): "
+                        "persistence is no reference at lead 0; give --reference climatology or leave it out")
+    print(f"evaluate: {args.forecast} holds fields without lead times: scored at their own times (lead 0)"
+          + (", without persistence (at lead 0 it is the truth)" if dropped else ""), flush=True)
+    return ds.expand_dims(prediction_timedelta=[np.timedelta64(0, "ns")], axis=1)
 
 
 def split_folders(root: Path) -> list[Path]:
@@ -186,7 +199,10 @@ def _save(fig, path: Path, dpi: int) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     check_args(args)
-    forecast = open_store(Path(args.forecast))
+    forecast = without_leads_at_lead_0(open_store(Path(args.forecast)), args)
+    args.reference = args.reference or ("persistence" if "persistence" in args.baselines else "climatology")
+    if args.png and args.reference not in args.baselines:
+        raise DataError(f"--reference {args.reference} is not among --baselines ({', '.join(args.baselines) or 'none'})")
     grid = grid_of(forecast)
     truth, climatology = open_truth(args, forecast, grid)
     scores, spectra, notes = evaluate(forecast, truth, climatology, args.baselines, args.chunk)
@@ -206,8 +222,9 @@ def main(argv=None) -> int:
           f" verifying times scored, {notes['verifying_times_dropped']} dropped (not in the truth) against "
           f"{truth.where}; climatology: {notes['climatology']}", flush=True)
     rows = rows_of(scores)
+    leads, unit = lead_labels(scores)
     for label, name, level in rows[:4]:
-        print(f"{label}: lead 1 RMSE " + ", ".join(
+        print(f"{label}: lead {leads[0]:g} {unit} RMSE " + ", ".join(
             f"{k} {metric_of(scores, name, level, str(k), 'rmse')[0]:.4g}" for k in scores["forecast"].values),
             flush=True)
     print(f"wrote {out} (spectra in its group 'spectra')", flush=True)

@@ -39,14 +39,17 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from utils.data.foreign import ForeignDataError, open_fields, parse_rename
 from utils.checkpoint import reporting_write_failures
+from utils.cli import OneLineParser
 from utils.config import ConfigError
 from utils.data.common import DataError
+from utils.data.era5 import channel_sets
+from utils.data.files import scan_split
+from utils.data.foreign import ForeignDataError, open_fields, parse_rename
 from utils.data.volume import split_path
 from utils.memory.estimate import GB
 from utils.memory.traced import CannotTrace, trace_inference
-from utils.observe.pictures import save_forecast_png, save_sample_png, save_volume_png
+from utils.observe.pictures import save_diagnostic_png, save_forecast_png, save_sample_png, save_volume_png
 from utils.observe.scores import bicubic_upsample
 from utils.parallel.distributed import barrier, cleanup_distributed, init_distributed, read_dist_env
 from utils.precision import AMP_DTYPES, autocast
@@ -56,10 +59,9 @@ from utils.predict.inputs import (Boxes, CoarseFields, Inputs, SplitFields, hour
 from utils.predict.store import Layout, Store, channel_values, output_format, xarray
 from utils.predict.tiles import DEFAULT_OVERLAP, tile_spans, tiled
 from utils.stopping import EXIT_STOPPED, StopRequest, heartbeat, stop_watching
-from utils.cli import OneLineParser
 from utils.training import configure_backends, pick_device, run_cli, show_progress
 
-TASKS = ("sr", "forecast", "volume")
+TASKS = ("sr", "forecast", "diagnostic", "volume")
 DEFAULT_STEPS = 4
 
 
@@ -124,6 +126,12 @@ def open_inputs(cfg, args) -> Inputs:
             raise ConfigError("--input is for coarse fields (task sr) and boxes (task volume); a forecaster starts "
                               "from a split of the training layout: --data_dir, --split")
         return SplitFields(data_dir / split, cfg.model.in_chans, upscale=1, lead=cfg.data.lead)
+    if task == "diagnostic":
+        if args.input:
+            raise ConfigError("--input is for coarse fields (task sr) and boxes (task volume); a diagnostic model reads "
+                              "its input channels from a split of the training layout: --data_dir, --split")
+        sets = channel_sets(cfg, scan_split(data_dir / split)[0])
+        return SplitFields(data_dir / split, cfg.model.in_chans, upscale=1, channel_sets=sets)
     if not args.input:
         return SplitFields(data_dir / split, cfg.model.in_chans, upscale=cfg.model.upscale)
     try:  # the reading rules of datasets/convert.py: names, axes, units, orientation
@@ -276,6 +284,9 @@ def save_picture(path: Path, cfg, inputs: Inputs, first: int, out: Path, steps: 
     elif cfg.data.task == "forecast":
         shown = [names.index(n) for n in cfg.data.key_channels[:2]] or None
         save_forecast_png(path, x, truth, pred[0], names, channels=shown)
+    elif cfg.data.task == "diagnostic":
+        shown = [names.index(n) for n in cfg.data.key_channels[:2]] or None
+        save_diagnostic_png(path, None, truth, pred, names, channels=shown)
     else:
         save_volume_png(path, x, pred, truth, getattr(inputs, "input_names", None), names)
     return True

@@ -32,14 +32,15 @@ from torch.utils.data import Subset
 
 from models import fixed_input_size
 from utils.checkpoint import ensure_writable_dir, replaced_atomically, reporting_write_failures
+from utils.cli import OneLineParser
 from utils.config import Config, ConfigError
 from utils.data.common import DataError, evenly_spaced
-from utils.data.era5 import ERA5Dataset, scan_split, split_step
+from utils.data.era5 import ERA5Dataset
+from utils.data.files import scan_split, split_step
 from utils.observe.logger import json_safe
 from utils.precision import autocast
 from utils.predict.checkpoints import config_from_checkpoint, load_model, read_checkpoint
 from utils.tasks import Forecast, build_task
-from utils.cli import OneLineParser
 from utils.training import configure_backends, pick_device, run_cli
 
 FORECASTER = "rollout needs a forecaster (task forecast, Part II's ViT)"

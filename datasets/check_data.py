@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 from utils.config import ConfigError, parse_config  # noqa: E402
 from utils.data import build_loaders  # noqa: E402
 from utils.data.common import DataError  # noqa: E402
-from utils.data.era5 import lead_time, scan_split  # noqa: E402
+from utils.data.files import lead_time, scan_split  # noqa: E402
 
 
 def data_files(cfg) -> list[Path]:

@@ -35,7 +35,7 @@ from .vit import ViT
 __all__ = ["SwinIR", "UNet3D", "ViT", "ModelError", "build_model", "count_parameters", "fixed_input_size",
            "load_model_class"]
 
-DATA_ARGS = ("in_chans", "out_chans", "img_size", "upscale", "mean", "std")
+DATA_ARGS = ("in_chans", "out_chans", "img_size", "upscale", "mean", "std", "out_mean", "out_std")
 """What a model may take from the data (resolved from it before the model is built)."""
 
 
@@ -43,8 +43,9 @@ class ModelError(ValueError):
     """A model that cannot be built or breaks the contract, said in one line with the fix."""
 
 
-def load_model_class(path: str, folder: str = "") -> Callable[..., nn.Module]:
-    """What ``module:Class`` names: the module on PYTHONPATH, or in ``folder`` (model_path: the config file's)."""
+def load_model_class(path: str, folder: str = "", key: str = "model_class") -> Callable[..., nn.Module]:
+    """What ``module:Class`` names: the module on PYTHONPATH, or in ``folder`` (model_path: the config file's);
+    ``key``: the config key that names it, for the errors (task_class finds a task the same way)."""
     module_name, _, name = path.partition(":")
     if folder and folder not in sys.path:
         sys.path.insert(0, folder)
@@ -54,11 +55,11 @@ def load_model_class(path: str, folder: str = "") -> Callable[..., nn.Module]:
         if error.name != module_name.split(".")[0] and error.name != module_name:
             raise  # the module exists, and imports something that does not: its own traceback says what
         where = f" or in {folder}" if folder else ""
-        raise ModelError(f"model_class {path}: no module {module_name!r} on PYTHONPATH{where}: set model_path to its "
+        raise ModelError(f"{key} {path}: no module {module_name!r} on PYTHONPATH{where}: set model_path to its "
                          "folder, or give the config with --config_file in that folder") from None
     target = getattr(module, name, None)
     if not callable(target):
-        raise ModelError(f"model_class {path}: module {module_name} ({module.__file__}) has no class or function "
+        raise ModelError(f"{key} {path}: module {module_name} ({module.__file__}) has no class or function "
                          f"{name!r}")
     return target
 

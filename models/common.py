@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -23,13 +23,24 @@ def init_transformer_weights(m: nn.Module) -> None:
 
 class PhysicalUnitsModel(nn.Module):
     """A model whose inputs and outputs are in physical units: it keeps the per-channel mean and std
-    as fp32 buffers (``data_mean``, ``data_std``, shape (1, C, 1, 1)), outside the state_dict (they
-    come from the config), and rebuilds them in fp32 after any cast or move."""
+    as fp32 buffers (``data_mean``, ``data_std``, shape (1, C, 1, 1); the outputs' ``target_mean``,
+    ``target_std``), outside the state_dict (they come from the config), and rebuilds them in fp32
+    after any cast or move."""
 
-    def register_normalization(self, mean: Sequence[float], std: Sequence[float]) -> None:
+    def register_normalization(self, mean: Sequence[float], std: Sequence[float],
+                               out_mean: Optional[Sequence[float]] = None,
+                               out_std: Optional[Sequence[float]] = None) -> None:
+        """``out_mean``/``out_std``: the outputs', where they are other channels than the inputs (a diagnostic
+        model); empty or None: the inputs'."""
         self.mean_values, self.std_values = tuple(map(float, mean)), tuple(map(float, std))
-        self.register_buffer("data_mean", self._channel_constant(self.mean_values), persistent=False)
-        self.register_buffer("data_std", self._channel_constant(self.std_values), persistent=False)
+        self.out_mean_values = tuple(map(float, out_mean)) if out_mean else self.mean_values
+        self.out_std_values = tuple(map(float, out_std)) if out_std else self.std_values
+        for name, values in self._normalization().items():
+            self.register_buffer(name, self._channel_constant(values), persistent=False)
+
+    def _normalization(self) -> dict[str, tuple[float, ...]]:
+        return {"data_mean": self.mean_values, "data_std": self.std_values,
+                "target_mean": self.out_mean_values, "target_std": self.out_std_values}
 
     @staticmethod
     def _channel_constant(values: Sequence[float], device=None) -> torch.Tensor:
@@ -40,6 +51,6 @@ class PhysicalUnitsModel(nn.Module):
         # to_empty() (meta-device init) must not lose them.
         super()._apply(fn, recurse)
         device = self.data_mean.device
-        self.data_mean = self._channel_constant(self.mean_values, device)
-        self.data_std = self._channel_constant(self.std_values, device)
+        for name, values in self._normalization().items():
+            setattr(self, name, self._channel_constant(values, device))
         return self

@@ -78,12 +78,15 @@ class Block(nn.Module):
 
 
 class ViT(PhysicalUnitsModel):
-    """NERSC's ViT forecaster; ``img_size`` (H, W) must be divisible by ``patch_size``."""
+    """NERSC's ViT forecaster; ``img_size`` (H, W) must be divisible by ``patch_size``. ``out_mean``/``out_std``: the
+    outputs' statistics where they are other channels than the inputs (a diagnostic model: as many outputs as
+    values); empty: it outputs the ``in_chans`` input channels."""
 
     def __init__(self, img_size: int | Sequence[int] = (360, 720), patch_size: int = 8, in_chans: int = 20,
                  embed_dim: int = 384, depth: int = 12, num_heads: int = 8, mlp_ratio: float = 4.0,
                  qkv_bias: bool = True, drop_path_rate: float = 0.0,
-                 mean: Optional[Sequence[float]] = None, std: Optional[Sequence[float]] = None):
+                 mean: Optional[Sequence[float]] = None, std: Optional[Sequence[float]] = None,
+                 out_mean: Optional[Sequence[float]] = None, out_std: Optional[Sequence[float]] = None):
         super().__init__()
         height, width = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
         if height % patch_size or width % patch_size:
@@ -96,7 +99,11 @@ class ViT(PhysicalUnitsModel):
         std = (1.0,) * in_chans if std is None else tuple(map(float, std))
         if len(mean) != in_chans or len(std) != in_chans or min(std) <= 0:
             raise ValueError(f"mean {list(mean)} and std {list(std)} need {in_chans} values (std > 0)")
-        self.register_normalization(mean, std)  # constants from the config, not learned
+        out_mean, out_std = tuple(out_mean or ()), tuple(out_std or ())
+        if len(out_mean) != len(out_std) or (out_std and min(out_std) <= 0):
+            raise ValueError(f"out_mean {list(out_mean)} and out_std {list(out_std)} need as many values (std > 0)")
+        self.out_chans = len(out_mean) or in_chans
+        self.register_normalization(mean, std, out_mean, out_std)  # constants from the config, not learned
 
         self.patch_embed = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
         self.pos_embed = nn.Parameter(torch.zeros(1, num_tokens, embed_dim))
@@ -104,7 +111,7 @@ class ViT(PhysicalUnitsModel):
         self.transformer = nn.ModuleList(
             Block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_path[i]) for i in range(depth))
         self.norm = nn.LayerNorm(embed_dim, eps=LAYER_NORM_EPS)
-        self.head = nn.Linear(embed_dim, in_chans * patch_size**2, bias=False)
+        self.head = nn.Linear(embed_dim, self.out_chans * patch_size**2, bias=False)
 
         trunc_normal_(self.pos_embed, std=0.02)
         self.apply(init_transformer_weights)
@@ -120,8 +127,8 @@ class ViT(PhysicalUnitsModel):
     def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
         """(B, tokens, p*p*C) -> (B, C, H, W); each token's vector is laid out (p, p, C)."""
         B, p, (h, w) = x.shape[0], self.patch_size, self.grid
-        x = x.reshape(B, h, w, p, p, self.in_chans)
-        return torch.einsum("bhwpqc->bchpwq", x).reshape(B, self.in_chans, h * p, w * p)
+        x = x.reshape(B, h, w, p, p, self.out_chans)
+        return torch.einsum("bhwpqc->bchpwq", x).reshape(B, self.out_chans, h * p, w * p)
 
     def stem(self, x: torch.Tensor) -> tuple[torch.Tensor]:
         """Physical input (B, C, H, W) -> (tokens,): what the first block takes (``forward`` = stem, blocks, tail)."""
@@ -138,9 +145,9 @@ class ViT(PhysicalUnitsModel):
         return (block(carry[0]),)
 
     def tail(self, x: torch.Tensor) -> torch.Tensor:
-        """Tokens after the last block -> the forecast in physical units (fp32)."""
+        """Tokens after the last block -> the forecast (or the diagnosed fields) in physical units (fp32)."""
         x = self.unpatchify(self.head(self.norm(x))).to(torch.promote_types(x.dtype, torch.float32))
-        return x * self.data_std + self.data_mean
+        return x * self.target_std + self.target_mean
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         carry = self.stem(x)
@@ -150,9 +157,10 @@ class ViT(PhysicalUnitsModel):
 
 
 def build(img_size, patch_size: int, in_chans: int, embed_dim: int, depths: Sequence[int], num_heads: Sequence[int],
-          mlp_ratio: float, qkv_bias: bool, drop_path_rate: float, mean: Sequence[float], std: Sequence[float]) -> ViT:
+          mlp_ratio: float, qkv_bias: bool, drop_path_rate: float, mean: Sequence[float], std: Sequence[float],
+          out_mean: Sequence[float] = (), out_std: Sequence[float] = ()) -> ViT:
     """The ViT from the config's model keys, whose depths and num_heads have one entry, as its one stage (the name
     ``vit`` stands for this function: models/__init__.py)."""
     return ViT(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim, depth=depths[0],
                num_heads=num_heads[0], mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, drop_path_rate=drop_path_rate,
-               mean=mean, std=std)
+               mean=mean, std=std, out_mean=out_mean, out_std=out_std)

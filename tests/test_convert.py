@@ -17,7 +17,8 @@ from datasets import cds_request, convert
 from utils.data import foreign
 from utils.data.foreign import open_fields
 from tests.conftest import REPO, TINY_MODEL, read_metrics, run_script
-from utils.data.era5 import NAMES_ATTR, SEGMENTS_ATTR, STEP_ATTR, ERA5Dataset, YearFile, lead_time, pair_starts
+from utils.data.era5 import ERA5Dataset
+from utils.data.files import NAMES_ATTR, SEGMENTS_ATTR, STEP_ATTR, YearFile, lead_time, pair_starts
 
 REAL = REPO / "datasets" / "real"
 REAL_FILES = ("era5-levels-members.grib", "era5-levels-members.nc")

@@ -469,7 +469,8 @@ def test_benchmark_runs(root, capsys):
 
 def test_one_stand_in_recipe_in_the_makefile_and_the_errors(tmp_path, monkeypatch):
     from utils.config import build_config
-    from utils.data.era5 import HOW_TO_GET_DATA, stand_in_command
+    from utils.data.era5 import stand_in_command
+    from utils.data.files import HOW_TO_GET_DATA
 
     makefile = (REPO / "Makefile").read_text().replace("\\\n", " ")
     recipe = next(line for line in makefile.splitlines() if "--out $(QUICKSTART_DATA)" in line)

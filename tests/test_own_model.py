@@ -19,7 +19,7 @@ from tests.conftest import FakeMesh, exit_in_one_process, read_metrics, run_scri
 from utils.config import ConfigError, build_config
 from utils.parallel.plans import ac_units, model_plan
 from utils.parallel.tensor_parallel import apply_tp
-from utils.tasks import Forecast
+from utils.tasks import Diagnostic, Forecast, task_class
 
 MODELS = '''
 import torch
@@ -99,11 +99,33 @@ orphan: {base: nowhere}
 
 @pytest.fixture(scope="module")
 def user_folder(tmp_path_factory) -> Path:
-    """A folder outside the repository with a user's models and configs, as a scientist would have."""
+    """A folder outside the repository with a user's models, task and configs, as a scientist would have."""
     folder = tmp_path_factory.mktemp("my_project")
     (folder / "mymodels.py").write_text(textwrap.dedent(MODELS))
+    (folder / "mytasks.py").write_text(textwrap.dedent(TASKS))
     (folder / "configs.yaml").write_text(textwrap.dedent(CONFIGS))
     return folder
+
+
+TASKS = """
+from utils.observe.scores import RMSEAccumulator
+from utils.tasks import Forecast
+
+
+class ForecastAndIncrement(Forecast):
+    # One score more: the RMSE of the model's increment (pred - input) against the true one.
+    def new_accumulators(self, channels, device):
+        return {**super().new_accumulators(channels, device),
+                "increment_rmse": RMSEAccumulator(channels, device, self.row_weights)}
+
+    def update(self, accumulators, inputs, pred, target):
+        super().update(accumulators, inputs, pred, target)
+        accumulators["increment_rmse"].update(pred - inputs, target - inputs)
+
+
+class NotATask:
+    pass
+"""
 
 
 def config(folder: Path, name: str = "mixer", **overrides):  # overrides: keys of the config, as on the command line
@@ -170,6 +192,22 @@ def test_the_contract_is_checked_for_the_task_at_build_time(user_folder, model_c
         Forecast.check_model(Forecast.__new__(Forecast), cfg.model, sample)
 
 
+def test_a_diagnostic_task_asks_a_model_for_the_targets_statistics(user_folder):
+    cfg = config(user_folder, "bare")  # Mixer takes mean and std, not out_mean and out_std
+    sample = (torch.zeros(20, 16, 32), torch.zeros(1, 16, 32))
+    with pytest.raises(ModelError, match="mymodels:Mixer takes no out_mean and out_std, but task diagnostic asks it "
+                                         "for other channels than it reads"):
+        Diagnostic.check_model(Diagnostic.__new__(Diagnostic), cfg.model, sample)
+
+
+def test_a_task_class_must_subclass_the_built_in_task(user_folder):
+    cfg = config(user_folder, task_class="mytasks:NotATask")
+    with pytest.raises(ConfigError, match="task_class mytasks:NotATask is not a subclass of utils.tasks.Forecast"):
+        task_class(cfg, Forecast)
+    with pytest.raises(ModelError, match="task_class nowhere:Task: no module 'nowhere'"):
+        task_class(config(user_folder, task_class="nowhere:Task"), Forecast)
+
+
 def test_its_plan_units_from_blocks_and_a_missing_technique_named(user_folder):
     model = build_model(config(user_folder))
     assert ac_units(model, "block") == list(model.body)  # no plan registered: the contract's blocks()
@@ -191,8 +229,11 @@ def test_it_trains_and_resumes_like_a_built_in_model(user_folder, vit_data, tmp_
     run = tmp_path / "run"
     args = ["--config_file", str(user_folder / "configs.yaml"), "--config", "mixer", "--data_dir", str(vit_data),
             "--run_dir", str(run), "--batch_size", "4", "--val_samples", "5", "--progress", "never"]
-    run_script("train.py", *args, in_process=True)
-    assert [r["step"] for r in read_metrics(run) if r["kind"] == "val"] == [4]
+    run_script("train.py", *args, "--task_class", "mytasks:ForecastAndIncrement", in_process=True)
+    val = [r for r in read_metrics(run) if r["kind"] == "val"]
+    assert [r["step"] for r in val] == [4]
+    # A task of yours: its own score beside the built-in ones (pred - input against target - input: the RMSE again).
+    assert val[0]["increment_rmse"] == pytest.approx(val[0]["rmse"], rel=1e-5)
     run_script("train.py", *args, "--max_steps", "6", "--resume", in_process=True)  # the checkpoint finds the model
     code, err = exit_in_one_process(capsys, "train.py", *args, "--model_args.hidden", "4", "--resume", "--max_steps", "8")
     assert code == 2 and "holds a model built with other settings: model_args" in err[-1], err

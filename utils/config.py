@@ -21,7 +21,6 @@ import dataclasses
 import inspect
 import json
 import math
-import os
 import re
 import sys
 import textwrap
@@ -48,13 +47,23 @@ class DataConfig:
     """Folder under data_dir with the training files."""
     valid_split: str = "valid_1"
     """Folder under data_dir with the validation files."""
-    task: Literal["sr", "forecast", "volume"] = "sr"
-    """sr: (low-res, high-res) pairs; forecast: (sample t, sample t+lead) pairs of one file; volume: cubic crops of
-    (input, target) fields of one simulation box (Part III, utils/data/volume.py)."""
+    task: Literal["sr", "forecast", "diagnostic", "volume"] = "sr"
+    """sr: (low-res, high-res) pairs; forecast: (sample t, sample t+lead) pairs of one file; diagnostic: (input_channels,
+    target_channels) of one sample (Part IV); volume: cubic crops of (input, target) fields of one simulation box (Part
+    III, utils/data/volume.py)."""
     lead: int = 1
     """forecast: steps between input and target (NERSC's 6-hourly data: 1 = six hours ahead)."""
+    task_class: str = ""
+    """Your task: a subclass of the built-in task's class (utils/tasks.py: SuperResolution, Forecast, Diagnostic,
+    Volume) by import path module:Class, found as model_class is (model_path): its own metrics, baselines and picture
+    on the task's data; empty: the built-in one."""
+    input_channels: list[str] = field(default_factory=list)
+    """diagnostic: the channels the model reads, by the data's names (e.g. all but tcwv); in_chans follows."""
+    target_channels: list[str] = field(default_factory=list)
+    """diagnostic: the channels it computes from them at the same time (e.g. [tcwv]); out_chans follows."""
     channel_names: list[str] = field(default_factory=list)
-    """Names of the data's channels in order; empty = the files' 'channels' attribute, else channel 0, 1, ..."""
+    """Names of the data's channels in order; empty = the files' 'channels' attribute, else channel 0, 1, ...
+    diagnostic and volume: the targets' names (the channels the metrics are reported for)."""
     key_channels: list[str] = field(default_factory=list)
     """Channels the console line and the validation picture show (all are in metrics.jsonl and TensorBoard); empty = all on the console, the first two in forecast pictures."""
     crop_size: int = 128
@@ -110,7 +119,8 @@ class ModelConfig:
     in_chans: int = 3
     """Input and output channels; must equal the data's (SuperBench: 3, NERSC's ERA5: 20). U-Net: input channels (SC22: 4)."""
     out_chans: int = 5
-    """U-Net: output channels, the target fields (SC22: 5); SwinIR and the ViT output in_chans."""
+    """U-Net: output channels, the target fields (SC22: 5); task diagnostic: len(target_channels) (set from them);
+    SwinIR and the ViT otherwise output in_chans."""
     widths: list[int] = field(default_factory=lambda: [64, 128, 256, 512, 512])
     """U-Net: channels of each level of the down path; each level halves the side (SC22: 64, 128, 256, 512, 512)."""
     full_scale: bool = True
@@ -143,6 +153,11 @@ class ModelConfig:
     """Per-channel mean subtracted inside the model; empty = <data_dir>/stats/global_means.npy (NERSC's layout)."""
     std: list[float] = field(default_factory=list)
     """Per-channel std divided inside the model; empty = <data_dir>/stats/global_stds.npy."""
+    out_mean: list[float] = field(default_factory=list)
+    """The outputs' per-channel mean, where they are other channels than the inputs (task diagnostic): the model
+    de-normalises with it; empty = mean (or, for diagnostic, the target channels' from <data_dir>/stats)."""
+    out_std: list[float] = field(default_factory=list)
+    """The outputs' per-channel std (see out_mean)."""
 
     @property
     def img_hw(self) -> tuple[int, int]:
@@ -309,6 +324,12 @@ class Config:
     stated: frozenset = frozenset()
     """Keys set on the command line: what the data may not replace (utils/data/era5.py's resolve_from_data)."""
 
+    @property
+    def target_chans(self) -> int:
+        """Channels of a target: out_chans where the task maps to other channels (volume, diagnostic), else in_chans
+        (a super-resolved or forecast field has its input's channels)."""
+        return self.model.out_chans if self.data.task in ("volume", "diagnostic") else self.model.in_chans
+
     def to_dict(self) -> dict[str, Any]:
         """Flat {key: value}, the form of the YAML and the command line."""
         flat: dict[str, Any] = {"config": self.name}
@@ -421,8 +442,8 @@ def build_config(name: str, overrides: Optional[dict[str, Any]] = None, path: Op
         args[key[len("model_args."):]] = overrides.pop(key)
     stated = frozenset(overrides) | (frozenset({"model_args"}) if args else frozenset())
     values.update(overrides, model_args=args)
-    if path is not None and values.get("model_class") and not values.get("model_path"):
-        values["model_path"] = str(path.resolve().parent)  # your model's module beside your config
+    if path is not None and (values.get("model_class") or values.get("task_class")) and not values.get("model_path"):
+        values["model_path"] = str(path.resolve().parent)  # your model's (or task's) module beside your config
     sections: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     unknown = [k for k in values if k not in KEYS]
     if unknown:

@@ -30,9 +30,10 @@ def validate(cfg) -> None:
         raise ConfigError("set epochs > 0 or max_steps > 0")
     if d.task == "sr" and d.crop_size and d.crop_size % m.upscale:
         raise ConfigError(f"crop_size {d.crop_size} must be divisible by upscale {m.upscale}")
-    if d.task == "forecast" and d.crop_size:
-        raise ConfigError(f"task forecast trains and validates on whole fields (latitude weights, climatology): "
+    if d.task in ("forecast", "diagnostic") and d.crop_size:
+        raise ConfigError(f"task {d.task} trains and validates on whole fields (latitude weights, climatology): "
                           f"set crop_size 0, not {d.crop_size}")
+    _validate_channel_sets(d)
     if len(m.img_size) not in (1, 2) or min(m.img_size) <= 0:
         raise ConfigError(f"img_size must be [height, width] or [side] with positive sides, got {m.img_size}")
     _validate_model_class(m)
@@ -55,7 +56,13 @@ def validate(cfg) -> None:
                           f"(= from <data_dir>/stats); got {len(m.mean)} and {len(m.std)}")
     if any(s <= 0 for s in m.std):
         raise ConfigError(f"std must be > 0, got {m.std}")
-    named, key = (m.out_chans, "out_chans") if d.task == "volume" else (m.in_chans, "in_chans")  # the metrics' channels
+    if len(m.out_mean) != len(m.out_std) or (m.out_mean and len(m.out_mean) != cfg.target_chans):
+        raise ConfigError(f"out_mean and out_std need {cfg.target_chans} values each (the targets' channels), or both "
+                          f"empty (= from the data); got {len(m.out_mean)} and {len(m.out_std)}")
+    if any(s <= 0 for s in m.out_std):
+        raise ConfigError(f"out_std must be > 0, got {m.out_std}")
+    # the metrics' channels
+    named, key = (m.out_chans, "out_chans") if d.task in ("volume", "diagnostic") else (m.in_chans, "in_chans")
     if d.channel_names and len(d.channel_names) != named:
         raise ConfigError(f"channel_names has {len(d.channel_names)} names but {key} is {named}")
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
@@ -101,8 +108,9 @@ def _validate_built_in(cfg) -> None:
         raise ConfigError(f"num_heads {m.num_heads} must be divisible by tp {cfg.dist.tp}: each tensor-parallel "
                           "rank holds whole heads; use a tp that divides every num_heads")
     if m.model == "vit":
-        if d.task != "forecast":
-            raise ConfigError(f"the ViT maps fields to fields of the same size: use task forecast, not {d.task}")
+        if d.task not in ("forecast", "diagnostic"):
+            raise ConfigError(f"the ViT maps fields to fields of the same size: use task forecast or diagnostic, not "
+                              f"{d.task}")
         if len(m.depths) != 1:
             raise ConfigError(f"the ViT has one stage: depths must have one entry (its depth), got {m.depths}")
         if "layer" in (t.ac, cfg.dist.fsdp_unit):
@@ -135,3 +143,18 @@ def _validate_volume(cfg) -> None:
     if t.loss != "l1" or t.loss_space != "physical":
         raise ConfigError(f"task volume trains with SC22's L1 loss on the stored (already scaled) fields: set loss l1 "
                           f"and loss_space physical, not {t.loss} / {t.loss_space}")
+
+
+def _validate_channel_sets(d) -> None:
+    """Task diagnostic names its inputs and targets (the data's channel names); no other task has channel sets."""
+    if d.task != "diagnostic":
+        if d.input_channels or d.target_channels:
+            raise ConfigError(f"input_channels and target_channels are for task diagnostic; task {d.task} maps all "
+                              "the data's channels: leave them empty, or set --task diagnostic")
+        return
+    if not d.input_channels or not d.target_channels:
+        raise ConfigError("task diagnostic computes target_channels from input_channels at the same time: name both, "
+                          "e.g. --input_channels '[t850, r850]' --target_channels '[tcwv]'")
+    for key, names in (("input_channels", d.input_channels), ("target_channels", d.target_channels)):
+        if len(set(names)) != len(names):
+            raise ConfigError(f"{key} names a channel twice: {names}")

@@ -14,6 +14,10 @@ The training scripts never branch on the model or the task; they do::
   two baselines every forecaster is judged against: persistence (tomorrow = today) and the
   climatology (the training split's time-mean field, ``<data_dir>/stats/time_means.npy``);
   picture: input, truth, forecast and the errors of persistence and forecast.
+- ``diagnostic`` (Part IV): fields computed from other fields of the same time (total column water vapour from the
+  other 19 channels): latitude-weighted RMSE per target channel, of the model and of two baselines: a linear
+  regression on the inputs fitted to the training split (what a network must beat to have learned more than a
+  weighted sum) and the climatology; picture: baseline, truth, model and both errors.
 - ``volume`` (Part III, the 3-D U-Net): per-channel L1 of the model and of the constant prediction of
   each target channel's mean over the training box (what a model must clearly beat to have learned
   anything); picture: the middle slice of inputs, truth, model and error.
@@ -35,11 +39,13 @@ import torch
 from torch import nn
 
 from models import ModelError, build_model, load_model_class
-from utils.data.common import DataError
-from utils.data.era5 import read_climatology, scan_split
+from utils.config import ConfigError
+from utils.data.common import DataError, evenly_spaced
+from utils.data.era5 import ERA5Dataset, channel_sets, read_climatology
+from utils.data.files import scan_split
 from utils.data.volume import input_names, target_mean
 from utils.observe.flops import on_meta
-from utils.observe.pictures import save_forecast_png, save_sample_png, save_volume_png
+from utils.observe.pictures import save_diagnostic_png, save_forecast_png, save_sample_png, save_volume_png
 from utils.observe.scores import ACCAccumulator, L1Accumulator, RMSEAccumulator, bicubic_upsample, latitude_weights
 from utils.parallel.domain_parallel import BICUBIC_REACH, gather_bands, halo
 from utils.precision import autocast
@@ -62,6 +68,8 @@ class Task:
     """This rank's band of the fields (utils.parallel.domain_parallel.FieldBands) when they are split over ranks."""
     physical_units = True
     """The samples are in physical units (a model normalises them itself, from the mean and std it is given)."""
+    other_outputs = False
+    """The targets are other channels than the inputs: a physical-units model takes their out_mean and out_std."""
 
     def __init__(self, channel_names: list[str], key_channels: list[str]):
         self.channel_names = list(channel_names)
@@ -74,10 +82,15 @@ class Task:
         (channels only for a rank's band)."""
         inputs, target = sample
         name = model_cfg.model_class
-        if self.physical_units and not {"mean", "std"} <= set(inspect.signature(load_model_class(name, model_cfg.model_path)).parameters):
+        takes = set(inspect.signature(load_model_class(name, model_cfg.model_path)).parameters)
+        if self.physical_units and not {"mean", "std"} <= takes:
             raise ModelError(f"{name} takes no mean and std, but task {self.name} gives it physical units (z500 ~5e4, "
                              "t2m ~280): add mean and std arguments and normalise inside, as models/common.py's "
                              "PhysicalUnitsModel does (docs/part4-your-model.md)")
+        if self.physical_units and self.other_outputs and not {"out_mean", "out_std"} <= takes:
+            raise ModelError(f"{name} takes no out_mean and out_std, but task {self.name} asks it for other channels "
+                             "than it reads, in their own units: add out_mean and out_std arguments and de-normalise "
+                             "its outputs with them (models/vit.py does; docs/part4-your-model.md)")
         model = on_meta(lambda: build_model(model_cfg)).eval()
         try:
             with torch.no_grad():
@@ -201,6 +214,68 @@ class Forecast(Task):
         save_forecast_png(path, *evaluation.sample, self.channel_names, channels=shown)
 
 
+class Diagnostic(Task):
+    """Part IV: (input channels, target channels) of one time; baselines a linear regression and the climatology."""
+
+    name = "diagnostic"
+    other_outputs = True
+
+    def __init__(self, channel_names: list[str], key_channels: list[str], climatology: torch.Tensor,
+                 row_weights: torch.Tensor, linear: "LinearBaseline"):
+        super().__init__(channel_names, key_channels)
+        self.climatology, self.row_weights, self.linear = climatology, row_weights, linear  # targets' (C, H, W)
+
+    def new_accumulators(self, channels: int, device: torch.device) -> dict:
+        rmse = lambda: RMSEAccumulator(channels, device, self.row_weights)  # noqa: E731
+        return {"rmse": rmse(), "linear_rmse": rmse(), "climatology_rmse": rmse()}
+
+    def update(self, accumulators, inputs, pred, target) -> None:
+        accumulators["rmse"].update(pred, target)
+        accumulators["linear_rmse"].update(self.linear(inputs), target)
+        accumulators["climatology_rmse"].update(self.climatology.to(target.device).expand_as(target), target)
+
+    def picture_sample(self, inputs, pred, target) -> tuple:
+        return self.linear(inputs), target, pred
+
+    def save_picture(self, path, evaluation: Evaluation) -> None:
+        shown = [self.channel_names.index(name) for name in self.key_channels[:2]] or None
+        save_diagnostic_png(path, *evaluation.sample, self.channel_names, channels=shown)
+
+
+class LinearBaseline:
+    """targets ≈ A (inputs - mean) / std + b per pixel, fitted by weighted least squares (the validation's latitude
+    weights) to ``FIT_SAMPLES`` samples spread over the training split: what a diagnostic network must beat to have
+    learned more than a weighted sum of its inputs. Hand-written: torch has no weighted regression over a data set
+    too large for memory, but its normal equations are (inputs + 1)² numbers."""
+
+    FIT_SAMPLES = 64
+
+    def __init__(self, dataset, mean: list[float], std: list[float], row_weights: torch.Tensor):
+        self.mean = torch.tensor(mean, dtype=torch.float64).view(1, -1, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float64).view(1, -1, 1, 1)
+        n = len(mean) + 1
+        gram, moment = torch.zeros(n, n, dtype=torch.float64), None
+        weights = row_weights.to(torch.float64).view(1, -1, 1)
+        for x, y in evenly_spaced(dataset, self.FIT_SAMPLES):
+            design = self._design(x[None])[0].flatten(1)  # (inputs + 1, H*W)
+            w = weights.expand(1, *x.shape[-2:]).flatten(1)
+            gram += (design * w) @ design.T
+            term = (design * w) @ y.to(torch.float64).flatten(1).T  # (inputs + 1, targets)
+            moment = term if moment is None else moment + term
+        # A tiny ridge keeps a constant input channel (zero variance after standardising) from making it singular.
+        ridge = 1e-9 * gram.diagonal().mean() * torch.eye(n, dtype=torch.float64)
+        self.coefficients = torch.linalg.solve(gram + ridge, moment).T.contiguous()  # (targets, inputs + 1)
+
+    def _design(self, x: torch.Tensor) -> torch.Tensor:
+        standard = (x.to(torch.float64) - self.mean.to(x.device)) / self.std.to(x.device)
+        return torch.cat([standard, torch.ones_like(standard[:, :1])], dim=1)
+
+    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        design = self._design(inputs)
+        out = torch.einsum("oi,bihw->bohw", self.coefficients.to(inputs.device), design)
+        return out.to(torch.float32)
+
+
 class Volume(Task):
     """Part III: (input, target) crops of a simulation box; the baseline predicts each target channel's mean."""
 
@@ -229,17 +304,45 @@ class Volume(Task):
 
 
 def build_task(cfg, device: Optional[torch.device] = None, bands=None) -> Task:
-    """The task of ``cfg.data.task``, with what it needs from the data (call after build_loaders, which
-    fills in the channel names); ``bands``: the loaders give this rank's band of each field (task sr)."""
+    """The task of ``cfg.data.task`` (or ``task_class``, a subclass of it), with what it needs from the data (call
+    after build_loaders, which fills in the channel names); ``bands``: the loaders give this rank's band of each
+    field (task sr)."""
     d = cfg.data
     if d.task == "sr":
-        return SuperResolution(d.channel_names, d.key_channels, cfg.model.upscale, bands)
+        return task_class(cfg, SuperResolution)(d.channel_names, d.key_channels, cfg.model.upscale, bands)
     if d.task == "forecast":
         first = scan_split(Path(d.data_dir) / d.valid_split)[0]
         rows = first.height - 1  # the dataset drops the last latitude row
         climatology = torch.from_numpy(read_climatology(d.data_dir, first.channels, rows, first.width))
-        return Forecast(d.channel_names, d.key_channels, climatology.to(device or "cpu"),
-                        latitude_weights(first.height, rows))
+        return task_class(cfg, Forecast)(d.channel_names, d.key_channels, climatology.to(device or "cpu"),
+                                         latitude_weights(first.height, rows))
+    if d.task == "diagnostic":
+        split = Path(d.data_dir) / d.valid_split
+        first = scan_split(split)[0]
+        rows = first.height - 1  # the dataset drops the last latitude row
+        inputs, targets = channel_sets(cfg, first)
+        weights = latitude_weights(first.height, rows)
+        climatology = torch.from_numpy(read_climatology(d.data_dir, first.channels, rows, first.width))[targets]
+        fit = ERA5Dataset(Path(d.data_dir) / d.train_split, task="diagnostic", crop_size=0, train=False,
+                          inputs=inputs, targets=targets)
+        linear = LinearBaseline(fit, cfg.model.mean, cfg.model.std, weights)
+        return task_class(cfg, Diagnostic)(d.channel_names, d.key_channels, climatology.to(device or "cpu"), weights,
+                                           linear)
     if d.task == "volume":
-        return Volume(d.channel_names, d.key_channels, torch.tensor(target_mean(cfg)), input_names(cfg))
+        return task_class(cfg, Volume)(d.channel_names, d.key_channels, torch.tensor(target_mean(cfg)),
+                                       input_names(cfg))
     raise ValueError(f"unknown task {d.task!r}")
+
+
+def task_class(cfg, built_in: type[Task]) -> type[Task]:
+    """``built_in``, or the config's ``task_class``: a subclass of it from outside the repository (its own metrics,
+    baselines and picture on the same data), found as model_class is found."""
+    name = cfg.data.task_class
+    if not name:
+        return built_in
+    chosen = load_model_class(name, cfg.model.model_path, key="task_class")
+    if not (isinstance(chosen, type) and issubclass(chosen, built_in)):
+        raise ConfigError(f"task_class {name} is not a subclass of {built_in.__module__}.{built_in.__name__}, the "
+                          f"class of task {cfg.data.task}: subclass it and override what you change (new_accumulators, "
+                          "update, save_picture; docs/part4-your-model.md)")
+    return chosen

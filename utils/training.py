@@ -95,16 +95,18 @@ LOSSES = {"l1": F.l1_loss, "mse": F.mse_loss, "relative_l2": relative_l2}
 def build_loss(cfg: Config) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``loss(pred, target)`` of ``cfg.train.loss`` on physical (B, C, H, W) tensors.
 
-    ``loss_space: normalized`` first standardises each channel with the model's mean/std, so a
-    channel in pascals does not outweigh one in kelvins (NERSC computes its loss on normalised data).
+    ``loss_space: normalized`` first standardises each channel with the targets' mean/std (out_mean/out_std where
+    they are other channels than the inputs, else mean/std), so a channel in pascals does not outweigh one in
+    kelvins (NERSC computes its loss on normalised data).
     """
     base = LOSSES[cfg.train.loss]
     if cfg.train.lambda_rho:
         return functools.partial(l1_with_density, lambda_rho=cfg.train.lambda_rho)
     if cfg.train.loss_space == "physical":
         return base
-    mean = torch.tensor(cfg.model.mean, dtype=torch.float32).view(1, -1, 1, 1)
-    std = torch.tensor(cfg.model.std, dtype=torch.float32).view(1, -1, 1, 1)
+    m = cfg.model
+    mean = torch.tensor(m.out_mean or m.mean, dtype=torch.float32).view(1, -1, 1, 1)
+    std = torch.tensor(m.out_std or m.std, dtype=torch.float32).view(1, -1, 1, 1)
 
     def normalized(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         m, s = mean.to(pred.device), std.to(pred.device)

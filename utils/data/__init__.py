@@ -2,8 +2,9 @@
 
 - ``common.py``: what every dataset shares: the one-line ``DataError``, HDF5 handles opened lazily per
   process, a stable hash for crops and random streams, the resumable distributed sampler and loader.
-- ``era5.py``: gridded fields (Part I's super-resolution, Part II's forecasting) and what the config
-  takes from them (channel names, normalisation statistics).
+- ``files.py``: the files of a split, read without their fields: grid, channel names, the record of time.
+- ``era5.py``: gridded fields (Part I's super-resolution, Part II's forecasting, Part IV's diagnostic task) and what
+  the config takes from them (channel names, normalisation statistics).
 - ``volume.py``: Part III's simulation boxes (3-D crops and their symmetries).
 - ``device_pipeline.py``: transforms on the device and a look-ahead copy of the next batch.
 - ``foreign.py``: the reading rules for other centres' files (netCDF, GRIB, Zarr): datasets/convert.py's

@@ -13,6 +13,8 @@ row is dropped (721 -> 720, 361 -> 360), as SuperBench and NERSC do, so whole fi
   ``crop_size`` is 0) and lr its bicubic downsampling by ``upscale`` (antialias off, as SuperBench).
 - task "forecast": ``(x_t, x_t+lead)``, the same crop of two samples ``lead`` steps apart in one file and in one
   run of consecutive times (a file may record gaps in time: attribute ``segment_starts``, datasets/convert.py).
+- task "diagnostic": ``(x_t[inputs], x_t[targets])``, two sets of channels of one sample (the config's
+  ``input_channels`` and ``target_channels``, by name).
 
 A crop reads only its own hyperslab from disk (3 x 128 x 128 floats, 196 KB) instead of the whole
 day (3 x 721 x 1440, 12.5 MB) that SuperBench reads and then crops. Crop positions are a hash of
@@ -28,10 +30,8 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-import re
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import h5py
 import numpy as np
@@ -41,9 +41,10 @@ from torch.utils.data import DataLoader, Dataset
 
 from models import fixed_input_size  # the one fact about models the data layer needs
 from utils.config import ConfigError
-from utils.data.common import (DataError, LazyH5, SubsetWithEpoch, build_dataloader, evenly_spaced, h5_reason, open_h5,
+from utils.data.common import (DataError, LazyH5, SubsetWithEpoch, build_dataloader, evenly_spaced, h5_reason,
                                relative_note, splitmix64, stable_hash)
 from utils.data.device_pipeline import on_device
+from utils.data.files import FIELDS_KEY, STAND_IN, YearFile, check_channels, lead_time, pair_starts, scan_split
 from utils.parallel.distributed import read_dist_env
 from utils.parallel.domain_parallel import BICUBIC_REACH
 
@@ -51,187 +52,12 @@ SUPERBENCH_MEAN = (6.3024, 278.3945, 18.4262)
 SUPERBENCH_STD = (3.7376, 21.0588, 16.4687)
 CHANNEL_NAMES = ("kinetic energy 10 m", "temperature 2 m", "total column water vapour")  # SuperBench's
 CHANNEL_UNITS = ("m2 s-2", "K", "kg m-2")
-FIELDS_KEY = "fields"
-NAMES_ATTR = "channels"  # optional attribute of ``fields``: the channel names (the synthetic files have it)
-# Optional attribute of ``fields``: the sample indices where a run of consecutive time steps starts (0 first).
-# datasets/convert.py records it where the source has a gap in time; forecast pairs never span two runs.
-SEGMENTS_ATTR = "segment_starts"
-# Optional attributes of ``fields``: the time between consecutive samples in the data's own unit ("6 h", "1 month",
-# datasets/convert.py), or in hours (the synthetic files); a forecast's lead is said in it.
-STEP_ATTR, HOURS_ATTR = "time_step", "hours_per_step"
 STATS_DIR = "stats"  # NERSC's layout: <data_dir>/stats/global_means.npy, global_stds.npy, time_means.npy
 STATS_COMMAND = "python datasets/compute_stats.py --data_dir {root}"
-TASKS = ("sr", "forecast")
+TASKS = ("sr", "forecast", "diagnostic")
 READ_MODES = ("hyperslab", "whole")
 
-# The one recipe for a small stand-in (the Makefile's `data` target, datasets/README.md and the errors).
-STAND_IN = ("python datasets/make_synthetic_era5.py --out {root}{layout} --samples-per-year 64 --height {height} "
-            "--width {width} --seed 0 --train-years 2008 2010 --valid-years 2015")
-HOW_TO_GET_DATA = ("see datasets/README.md for the real data, or generate a stand-in: `"
-                   + STAND_IN.format(root="{root}", layout="", height=181, width=360) + "`")
-
 _TRAIN_STREAM, _VALID_STREAM = 1, 2  # crops of the training and validation sets (STEP_STREAM is 3)
-
-
-# ----------------------------------------------------------------------------------------------
-# Files of a split
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class YearFile:
-    path: Path
-    days: int  # samples in the file (days for SuperBench, 6-hourly steps for NERSC's data)
-    height: int  # as stored (721 for ERA5), before dropping the last row
-    width: int
-    channels: int
-    names: Optional[tuple[str, ...]] = None  # the file's channel names, if it records them
-    segments: Optional[tuple[int, ...]] = None  # first sample of each run of consecutive times, if recorded
-    step: Optional[str] = None  # the time between consecutive samples ("6 h", "1 month"), if recorded
-
-
-def _describe(path: Path) -> YearFile:
-    with open_h5(path) as f:
-        if FIELDS_KEY not in f:
-            found = ", ".join(sorted(f.keys())) or "nothing"
-            raise DataError(
-                f"{path}: no dataset '{FIELDS_KEY}' (found: {found}); ERA5 files here hold one "
-                f"dataset '{FIELDS_KEY}' of shape (samples, channels, lat, lon): is this the right file?"
-            )
-        fields = f[FIELDS_KEY]
-        if not isinstance(fields, h5py.Dataset):
-            raise DataError(f"{path}: '{FIELDS_KEY}' is a group, not a dataset; expected an array (samples, channels, lat, lon)")
-        shape, dtype = fields.shape, fields.dtype
-        names = fields.attrs.get(NAMES_ATTR)
-        segments = fields.attrs.get(SEGMENTS_ATTR)
-        step, hours = fields.attrs.get(STEP_ATTR), fields.attrs.get(HOURS_ATTR)
-    step = str(step.decode() if isinstance(step, bytes) else step) if step is not None else (
-        f"{float(hours):g} h" if hours is not None else None)
-    expected = "expected (samples, channels, lat, lon) as SuperBench's and NERSC's ERA5"
-    if len(shape) != 4:
-        raise DataError(f"{path}: '{FIELDS_KEY}' has shape {shape} ({len(shape)} dimensions); {expected}")
-    if shape[0] < 1 or shape[1] < 1 or shape[2] < 2 or shape[3] < 1:
-        raise DataError(f"{path}: '{FIELDS_KEY}' has shape {shape}, too small to hold a field; {expected}")
-    if not np.issubdtype(dtype, np.number):
-        raise DataError(f"{path}: '{FIELDS_KEY}' holds {dtype}, not numbers; {expected}, float32")
-    if names is not None:
-        names = tuple(n.decode() if isinstance(n, bytes) else str(n) for n in np.atleast_1d(names))
-        if len(names) != shape[1]:
-            names = None  # an attribute that does not describe the channels is ignored
-    if segments is not None:
-        segments = tuple(int(s) for s in np.atleast_1d(segments))
-        if not segments or segments[0] != 0 or any(b <= a for a, b in zip(segments, segments[1:])) \
-                or segments[-1] >= shape[0]:
-            # A wrong record would let forecast pairs span a gap: refuse it rather than ignore it.
-            raise DataError(f"{path}: attribute '{SEGMENTS_ATTR}' of '{FIELDS_KEY}' is {list(segments)}; expected "
-                            f"increasing sample indices from 0, below {shape[0]}: convert the file again")
-    return YearFile(path, shape[0], shape[2], shape[3], shape[1], names, segments, step)
-
-
-def pair_starts(file: YearFile, lead: int) -> Optional[np.ndarray]:
-    """The samples t of a file whose t + lead lies in the same run of consecutive times, or None when the file
-    records no gap (then every t < samples - lead)."""
-    if lead == 0 or not file.segments or len(file.segments) == 1:
-        return None
-    bounds = [*file.segments, file.days]
-    runs = [np.arange(start, stop - lead) for start, stop in zip(bounds, bounds[1:]) if stop - start > lead]
-    return np.concatenate(runs) if runs else np.zeros(0, dtype=np.int64)
-
-
-ASSUMED_STEP_HOURS = 6.0  # NERSC's ERA5 records no step; its samples are 6 h apart
-
-
-@dataclass(frozen=True)
-class Step:
-    """The time between consecutive samples as the data records it ("6 h", "1 month"): a lead time is a count of
-    them, written in their unit. A month is a step of the calendar, not a duration: it has no hours. (The reader's
-    side of datasets/convert.py's Step, which writes the record without importing torch.)"""
-
-    count: float
-    unit: str  # "h" or "month"
-    assumed: bool = False  # the data records none: NERSC's 6 h assumed (said where it is used)
-
-    def times(self, n: float) -> str:
-        """n steps in the data's unit: 2 x "6 h" -> "12 h", 3 x "1 month" -> "3 months"."""
-        count = self.count * n
-        return f"{count:g} h" if self.unit == "h" else f"{count:g} month{'s' if count != 1 else ''}"
-
-    def __str__(self) -> str:
-        return self.times(1)
-
-    @property
-    def hours(self) -> Optional[float]:
-        return self.count if self.unit == "h" else None
-
-
-def parse_step(text: Optional[str], where: str = "the data") -> Step:
-    """A recorded step ("6 h", "24 h", "1 month", "3 months"); None (no record) -> 6 h, assumed."""
-    if text is None:
-        return Step(ASSUMED_STEP_HOURS, "h", assumed=True)
-    match = re.fullmatch(r"(\d+(?:\.\d+)?) ?(h|months?)", text.strip())
-    if not match or float(match.group(1)) <= 0:
-        raise DataError(f"{where}: its time step {text!r} is neither hours ('6 h') nor months ('1 month'), so no "
-                        f"lead time can be said; fix attribute '{STEP_ATTR}' of '{FIELDS_KEY}' (datasets/convert.py "
-                        "writes it)")
-    return Step(float(match.group(1)), "h" if match.group(2) == "h" else "month")
-
-
-def split_step(files: list[YearFile], where) -> Step:
-    """The one step of a split's files: files that disagree have no lead time between them."""
-    recorded = sorted({str(f.step) for f in files})
-    if len(recorded) > 1:
-        raise DataError(f"{where}: its files record different time steps ({', '.join(recorded)}); a forecast's "
-                        "lead needs one: keep one spacing per split folder")
-    return parse_step(files[0].step, str(where))
-
-
-def lead_time(step: Optional[str], lead: int) -> str:
-    """A forecast's lead in the data's own unit: ("6 h", 2) -> "12 h", ("1 month", 3) -> "3 months"; in steps
-    where the files record none."""
-    if step is None:
-        return f"{lead} step{'s' if lead != 1 else ''}"
-    return parse_step(step).times(lead)
-
-
-def check_channels(file: YearFile, in_chans: int) -> None:
-    """The data must have the channel count the model takes (the config's in_chans)."""
-    if file.channels != in_chans:
-        raise DataError(
-            f"{file.path}: the data has {file.channels} channels but the config's in_chans is {in_chans}; "
-            f"set --in_chans {file.channels} (with mean, std and channel_names to match) or use other data")
-
-
-def scan_split(split_dir) -> list[YearFile]:
-    """Every ``*.h5`` of a split folder, sorted by name, checked to share one grid."""
-    split_dir = Path(split_dir)
-    if not split_dir.is_dir():
-        parent = split_dir.parent
-        splits = sorted(p.name for p in parent.iterdir() if p.is_dir() and any(p.glob("*.h5"))) if parent.is_dir() else []
-        hint = HOW_TO_GET_DATA.format(root=parent)
-        if splits:  # a data root with other splits: probably a misspelt split name
-            hint = f"split folders in {parent}: {', '.join(splits)}; or {hint}"
-        what = "is not a directory" if split_dir.exists() else "no such directory"
-        raise DataError(f"{split_dir}: {what}; {hint}")
-    paths = sorted(split_dir.glob("*.h5"))
-    if not paths:
-        raise DataError(
-            f"{split_dir}: no .h5 files; a split folder holds one <year>.h5 per year: "
-            f"{HOW_TO_GET_DATA.format(root=split_dir.parent)}"
-        )
-    files = [_describe(p) for p in paths]
-    first = files[0]
-    for other in files[1:]:
-        if (other.height, other.width) != (first.height, first.width):
-            raise DataError(
-                f"{split_dir}: files have different grids: {first.path.name} is {first.height}x{first.width}, "
-                f"{other.path.name} is {other.height}x{other.width}; all years of a split must share one grid"
-            )
-        if other.channels != first.channels:
-            raise DataError(
-                f"{split_dir}: files have different channel counts: {first.path.name} has {first.channels}, "
-                f"{other.path.name} has {other.channels}; all years of a split must hold the same fields"
-            )
-    return files
 
 
 # ----------------------------------------------------------------------------------------------
@@ -274,12 +100,14 @@ class ERA5Dataset(LazyH5, Dataset):
     ``bands`` (task "sr", domain parallelism: utils/parallel/domain_parallel.py): return only this rank's band of
     rows of each pair, reading only those rows and the two the bicubic downsampling reaches beyond them.
     ``highres_only`` (task "sr", device_transforms): items are ``(high-res,)``; the training loop's device makes
-    the low-res input (utils/data/device_pipeline.py).
+    the low-res input (utils/data/device_pipeline.py). ``inputs``, ``targets`` (task "diagnostic"): the channel
+    indices of each side.
     """
 
     def __init__(self, split_dir, task: str = "sr", upscale: int = 2, crop_size: int = 128, n_patches: int = 8,
                  seed: int = 0, train: bool = True, read: str = "hyperslab", lead: int = 1,
-                 channels: Optional[int] = None, bands=None, highres_only: bool = False):
+                 channels: Optional[int] = None, bands=None, highres_only: bool = False,
+                 inputs: Sequence[int] = (), targets: Sequence[int] = ()):
         if task not in TASKS:
             raise DataError(f"task {task!r} is not one of {', '.join(TASKS)}")
         if read not in READ_MODES:
@@ -290,8 +118,14 @@ class ERA5Dataset(LazyH5, Dataset):
         self.split_dir = Path(split_dir)
         self.files = scan_split(self.split_dir)
         self.channels = self.files[0].channels
-        if channels is not None:
+        if channels is not None and task != "diagnostic":  # a diagnostic model reads some of them
             check_channels(self.files[0], channels)
+        if (task == "diagnostic") != bool(inputs and targets):
+            raise DataError(f"task {task}: inputs and targets (channel indices) are for task diagnostic, which needs both")
+        if max((*inputs, *targets), default=0) >= self.channels:
+            raise DataError(f"{self.split_dir}: channel indices {list(inputs)} -> {list(targets)} beyond its "
+                            f"{self.channels} channels")
+        self.inputs, self.targets = list(inputs), list(targets)
         self.task, self.upscale, self.crop_size, self.seed, self.train, self.read = task, upscale, crop_size, seed, train, read
         if bands is not None and task != "sr":
             raise DataError(f"bands of a field are for task 'sr' (SwinIR's domain parallelism), not {task!r}")
@@ -416,6 +250,8 @@ class ERA5Dataset(LazyH5, Dataset):
             return (x,)
         if self.task == "forecast":
             return x, self.read_field(file, day + self.lead, row, col)
+        if self.task == "diagnostic":
+            return x[self.inputs].contiguous(), x[self.targets].contiguous()
         return bicubic_downsample(x, self.upscale), x
 
     def _band_pair(self, file: int, day: int, row: int, col: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -490,8 +326,9 @@ def stand_in_command(cfg) -> str:
     """The generator command whose output this config reads: its channels, time step, grid and split names."""
 
     d, m = cfg.data, cfg.model
-    layout = {3: "", 20: " --channels nersc20"}.get(m.in_chans, f" --channels {m.in_chans}")
-    if d.task == "forecast":
+    channels = len({*d.input_channels, *d.target_channels}) if d.task == "diagnostic" else m.in_chans
+    layout = {3: "", 20: " --channels nersc20"}.get(channels, f" --channels {channels}")
+    if d.task in ("forecast", "diagnostic"):
         layout += " --hours-per-step 6"
     fixed = fixed_input_size(m)
     height, width = (fixed[0] + 1, fixed[1]) if fixed else (181, 360)  # + the row the loader drops
@@ -519,8 +356,11 @@ def resolve_from_data(cfg) -> list[YearFile]:
                             f"data, or generate a stand-in that this config reads: `{stand_in_command(cfg)}`")
     files = scan_split(root / d.train_split)
     first = files[0]
-    took = _take_channels(cfg, first, root)
-    check_channels(first, m.in_chans)
+    if d.task == "diagnostic":
+        took = _take_channel_sets(cfg, first, root)
+    else:
+        took = _take_channels(cfg, first, root)
+        check_channels(first, m.in_chans)
     if not d.channel_names:
         d.channel_names = list(first.names or (f"channel {c}" for c in range(first.channels)))
     missing = [name for name in d.key_channels if name not in d.channel_names]
@@ -546,6 +386,47 @@ def resolve_from_data(cfg) -> list[YearFile]:
         print(f"data: {root} is not the data of config {cfg.name}; taken from it: {'; '.join(took)} (state a key on "
               "the command line to keep yours)", flush=True)
     return files
+
+
+def channel_names_of(file: YearFile) -> list[str]:
+    """The names of a file's channels: its own, else "channel i"."""
+    return list(file.names or (f"channel {c}" for c in range(file.channels)))
+
+
+def channel_sets(cfg, file: YearFile) -> tuple[list[int], list[int]]:
+    """Task diagnostic: the indices of input_channels and target_channels among the data's channels."""
+    names, d = channel_names_of(file), cfg.data
+    unknown = [name for name in (*d.input_channels, *d.target_channels) if name not in names]
+    if unknown:
+        raise ConfigError(f"input_channels/target_channels {unknown} are not channels of {file.path.parent}; "
+                          f"its channels: {names}")
+    return [names.index(n) for n in d.input_channels], [names.index(n) for n in d.target_channels]
+
+
+def _take_channel_sets(cfg, first: YearFile, root: Path) -> list[str]:
+    """Task diagnostic: in_chans and out_chans from the named channel sets, channel_names the targets' (the metrics'
+    channels), the statistics of each side from the data's; what changed from the config's values, for its line."""
+    d, m = cfg.data, cfg.model
+    inputs, targets = channel_sets(cfg, first)
+    took = []
+    for key, count, side in (("in_chans", len(inputs), "input"), ("out_chans", len(targets), "target")):
+        if getattr(m, key) == count:
+            continue
+        if key in cfg.stated:
+            raise ConfigError(f"{key} {getattr(m, key)} disagrees with the {count} {side}_channels; drop --{key}: "
+                              "task diagnostic counts them")
+        took.append(f"{key} {count} (the config's {getattr(m, key)})")
+        setattr(m, key, count)
+    d.channel_names = list(d.target_channels)
+    kept = [name for name in d.key_channels if name in d.channel_names]
+    d.key_channels = kept or d.channel_names[:3]
+    if not m.mean or not m.out_mean:
+        mean, std = read_stats(root, first.channels)
+        if not m.mean:
+            m.mean, m.std = [mean[i] for i in inputs], [std[i] for i in inputs]
+        if not m.out_mean:
+            m.out_mean, m.out_std = [mean[i] for i in targets], [std[i] for i in targets]
+    return took
 
 
 def _take_channels(cfg, first: YearFile, root: Path) -> list[str]:
@@ -580,15 +461,16 @@ def build_era5_loaders(cfg, rank: int = 0, world_size: int = 1, bands=None) -> t
     """
     d, seed, global_batch = cfg.data, cfg.train.seed, cfg.train.batch_size
     root = Path(d.data_dir)
-    resolve_from_data(cfg)
+    files = resolve_from_data(cfg)
     if global_batch % world_size:
         raise DataError(
             f"batch_size {global_batch} is the global batch and must be divisible by the {world_size} ranks; "
             f"use a multiple of {world_size}"
         )
     per_rank = global_batch // world_size
+    inputs, targets = channel_sets(cfg, files[0]) if d.task == "diagnostic" else ((), ())
     common = dict(task=d.task, upscale=cfg.model.upscale, crop_size=d.crop_size, n_patches=d.n_patches, seed=seed,
-                  lead=d.lead, channels=cfg.model.in_chans, bands=bands)
+                  lead=d.lead, channels=cfg.model.in_chans, bands=bands, inputs=inputs, targets=targets)
 
     # Else nothing to move (forecast: normalised in the model); bands with it: the dataset says what to do.
     highres_only = d.device_transforms and d.task == "sr"

@@ -155,7 +155,7 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
                           f"{dp} data-parallel ranks; use a multiple of {dp}")
     if device_type is None:
         device_type = cfg.train.device if cfg.train.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    shape = model_shape(cfg.model)
+    shape = model_shape(cfg.model, cfg.target_chans)
     ac = cfg.train.ac
     shape.check_supported(ac, d.fsdp_unit if strategy == "fsdp" else "block")
     param_dtype = d.param_dtype if strategy == "fsdp" else "fp32"

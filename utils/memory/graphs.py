@@ -322,6 +322,7 @@ def vit_training_graph(shape: ViTShape, p: ViTPrecision, kernel: str, ac: str, b
     t = batch * mine  # this rank's tokens in the blocks
     ts = t / tp  # sequence-parallel share: the residual stream and the LayerNorms
     field = batch * shape.in_chans * shape.img_size[0] * shape.img_size[1]  # values in a batch of fields
+    out_field = field // shape.in_chans * (shape.out_chans or shape.in_chans)  # of outputs (other channels: diagnostic)
     casts = 1 if ln == a else 3  # copies of the LayerNorm output that q, k, v save as their input
     skip = ts * d * st  # the residual stream's gradient, waiting while a branch's backward runs
     heads = shape.num_heads / tp
@@ -361,8 +362,8 @@ def vit_training_graph(shape: ViTShape, p: ViTPrecision, kernel: str, ac: str, b
     graph += [  # final norm (input, statistics), head (its input, gathered over tp); unpatchify and
         # de-normalisation save nothing
         Layer("head", ts * (d * ln + p.stats), ts * d * ln, ts * d * (a + 2 * ln) + skip),
-        Layer("head", t * d * a, 2 * field * a + 2 * field * 4, 2 * field * a + 2 * field * 4),
-        loss_layer(loss, loss_space, field * 4, batch, shape.in_chans),
+        Layer("head", t * d * a, 2 * out_field * a + 2 * out_field * 4, 2 * out_field * a + 2 * out_field * 4),
+        loss_layer(loss, loss_space, out_field * 4, batch, shape.out_chans or shape.in_chans),
     ]
     return graph
 

@@ -119,10 +119,12 @@ def _model_tensors(model: nn.Module) -> list[torch.Tensor]:
 def with_statistics(cfg: Config) -> Config:
     """The config with mean/std 0 and 1 where it leaves them to the data's statistics (the ViT's):
     the same tensors are saved whatever the values."""
-    m = cfg.model
-    if m.mean:
-        return cfg
-    return dataclasses.replace(cfg, model=dataclasses.replace(m, mean=[0.0] * m.in_chans, std=[1.0] * m.in_chans))
+    m, filled = cfg.model, {}
+    if not m.mean:
+        filled.update(mean=[0.0] * m.in_chans, std=[1.0] * m.in_chans)
+    if cfg.data.task == "diagnostic" and not m.out_mean:  # the outputs are other channels: their own statistics
+        filled.update(out_mean=[0.0] * cfg.target_chans, out_std=[1.0] * cfg.target_chans)
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, **filled)) if filled else cfg
 
 
 def loss_for(cfg: Config):
@@ -345,21 +347,21 @@ def batch_shapes(cfg: Config, lr_size: Optional[tuple[int, ...]] = None,
         side = (lr_size[0],) * 3
         return (batch, m.in_chans, *side), (batch, m.out_chans, *side)
     scale = m.upscale if cfg.data.task == "sr" and m.upsampler else 1  # a forecast or a box: the same grid
-    return (batch, m.in_chans, *lr_size), (batch, m.in_chans, lr_size[0] * scale, lr_size[1] * scale)
+    return (batch, m.in_chans, *lr_size), (batch, cfg.target_chans, lr_size[0] * scale, lr_size[1] * scale)
 
 
 def random_batch(cfg: Config, lr_size: Optional[tuple[int, int]] = None, device="cpu", batch: Optional[int] = None):
     """(input, target) of the config's shapes (:func:`batch_shapes`), in physical units around the config's mean and
     std (0 and 1 where the config leaves them to the data); a volume's stored fields, already in tanh's range."""
-    m = cfg.model
     inputs, target = batch_shapes(cfg, lr_size, batch)
     g = torch.Generator().manual_seed(0)
     if cfg.data.task == "volume":
         return tuple((0.3 * torch.randn(shape, generator=g)).to(device) for shape in (inputs, target))
-    mean = torch.tensor(m.mean or [0.0] * m.in_chans).view(1, -1, 1, 1)
-    std = torch.tensor(m.std or [1.0] * m.in_chans).view(1, -1, 1, 1)
+    m = with_statistics(cfg).model
+    mean, std, out_mean, out_std = (torch.tensor(v).view(1, -1, 1, 1) for v in (m.mean, m.std, m.out_mean or m.mean,
+                                                                                m.out_std or m.std))
     lr = torch.randn(inputs, generator=g) * std + mean
-    hr = torch.randn(target, generator=g) * std + mean
+    hr = torch.randn(target, generator=g) * out_std + out_mean
     return lr.to(device), hr.to(device)
 
 

@@ -17,7 +17,7 @@ from typing import Optional
 
 from utils.config import Config, ConfigError
 from utils.data.common import DataError
-from utils.data.era5 import scan_split
+from utils.data.files import scan_split
 
 ERA5_FIELD = (720, 1440)  # SuperBench's 721 x 1440 with the last latitude row dropped
 NUM_FEAT = 64  # width of SwinIR's reconstruction convolutions (models/swinir.py)
@@ -57,7 +57,7 @@ class SwinIRShape:
     drop_path_rate: float
 
     @classmethod
-    def from_config(cls, m) -> "SwinIRShape":
+    def from_config(cls, m, target_chans: Optional[int] = None) -> "SwinIRShape":
         side = min(m.img_hw)
         window = m.window_size if side > m.window_size else side
         return cls(m.in_chans, m.embed_dim, int(m.embed_dim * m.mlp_ratio), tuple(m.depths), tuple(m.num_heads),
@@ -180,11 +180,13 @@ class ViTShape:
     hidden: int
     qkv_bias: bool
     drop_path_rate: float
+    out_chans: int = 0
+    """Channels of the output where they are not the input's (task diagnostic); 0: in_chans."""
 
     @classmethod
-    def from_config(cls, m) -> "ViTShape":
+    def from_config(cls, m, target_chans: Optional[int] = None) -> "ViTShape":
         return cls(m.in_chans, m.img_hw, m.patch_size, m.embed_dim, m.depths[0], m.num_heads[0],
-                   int(m.embed_dim * m.mlp_ratio), m.qkv_bias, m.drop_path_rate)
+                   int(m.embed_dim * m.mlp_ratio), m.qkv_bias, m.drop_path_rate, target_chans or m.in_chans)
 
     name = "ViT"
 
@@ -213,7 +215,7 @@ class ViTShape:
 
     def end_params(self) -> tuple[int, int]:
         """Final LayerNorm and the head (no bias)."""
-        w = self.embed_dim * self.in_chans * self.patch_size ** 2
+        w = self.embed_dim * (self.out_chans or self.in_chans) * self.patch_size ** 2
         return w, w + 2 * self.embed_dim
 
     def num_params(self) -> int:
@@ -264,7 +266,7 @@ class UNet3DShape:
     """Channels of every level of the down path, the full_scale level included."""
 
     @classmethod
-    def from_config(cls, m) -> "UNet3DShape":
+    def from_config(cls, m, target_chans: Optional[int] = None) -> "UNet3DShape":
         return cls(m.in_chans, m.out_chans, tuple(m.widths) + ((m.widths[-1],) if m.full_scale else ()))
 
     name = "U-Net"
@@ -322,12 +324,13 @@ def has_description(model_cfg) -> bool:
     return getattr(model_cfg, "model", None) in SHAPES
 
 
-def model_shape(model_cfg) -> "SwinIRShape | ViTShape | UNet3DShape":
-    """The shape the estimate needs of the config's model (``model: swinir``, ``vit`` or ``unet3d``)."""
+def model_shape(model_cfg, target_chans: Optional[int] = None) -> "SwinIRShape | ViTShape | UNet3DShape":
+    """The shape the estimate needs of the config's model (``model: swinir``, ``vit`` or ``unet3d``); ``target_chans``
+    (``Config.target_chans``): the channels of its output."""
     if not has_description(model_cfg):
         raise ConfigError(f"model {getattr(model_cfg, 'model', None)!r} has no hand-written memory description "
                           "(utils/memory/shapes.py): use the traced estimate (utils/memory/traced.py)")
-    return SHAPES[model_cfg.model].from_config(model_cfg)
+    return SHAPES[model_cfg.model].from_config(model_cfg, target_chans)
 
 
 # =============================================================================================
@@ -349,7 +352,7 @@ def field_size_of(cfg: Config) -> tuple[tuple[int, int], str]:
 def lr_input_size(cfg: Config, field: Optional[tuple[int, int]] = None) -> tuple[int, int]:
     """Height and width of the model's input: the low-res crop, or the low-res whole field."""
     hr = (cfg.data.crop_size, cfg.data.crop_size) if cfg.data.crop_size else (field or field_size_of(cfg)[0])
-    if cfg.data.task == "forecast":
+    if cfg.data.task in ("forecast", "diagnostic"):
         return hr
     s = cfg.model.upscale
     if hr[0] % s or hr[1] % s:
@@ -360,7 +363,7 @@ def lr_input_size(cfg: Config, field: Optional[tuple[int, int]] = None) -> tuple
 def input_size(cfg: Config, field: Optional[tuple[int, int]] = None) -> tuple[int, ...]:
     """Spatial size of the model's input, by task (any model's, as the contract says): a forecaster's img_size (the
     field it is given; the ViT's only size), a super-resolver's low-res input, a volume's crop (side, side, side)."""
-    if cfg.data.task == "forecast":
+    if cfg.data.task in ("forecast", "diagnostic"):
         return cfg.model.img_hw
     if cfg.data.task == "volume":
         return (cfg.data.crop_size,) * 3

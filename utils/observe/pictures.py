@@ -82,19 +82,39 @@ def save_forecast_png(
     Input, truth and forecast share the truth's colour range; the two error panels share one
     scale, so the forecast's gain over persistence shows at a glance. Written atomically.
     """
-    x_np, y_np, f_np = (_as_chw_numpy(t, n) for t, n in ((inputs, "inputs"), (truth, "truth"), (forecast, "forecast")))
-    if not x_np.shape == y_np.shape == f_np.shape:
-        raise ValueError(f"save_forecast_png: inputs, truth and forecast must have one shape; got "
-                         f"{x_np.shape}, {y_np.shape}, {f_np.shape}")
+    _save_against_baseline(path, inputs, truth, forecast, ("input (t)", "truth (t + lead)", "forecast", "persistence"),
+                           channel_names, channels, title, panel_width_in, dpi)
+
+
+def save_diagnostic_png(path, baseline: Optional[torch.Tensor], truth: torch.Tensor, model: torch.Tensor,
+                        channel_names: Optional[Sequence[str]] = None, channels: Optional[Sequence[int]] = None,
+                        title: Optional[str] = None, panel_width_in: float = 3.0, dpi: int = 110) -> None:
+    """Draw one diagnosed sample as :func:`save_forecast_png` draws a forecast, the linear-regression baseline in
+    the place of the input: baseline, truth, model, and the errors of both (without a baseline: truth, model and
+    the model's error)."""
+    _save_against_baseline(path, baseline, truth, model, ("linear regression", "truth", "model", "linear regression"),
+                           channel_names, channels, title, panel_width_in, dpi)
+
+
+def _save_against_baseline(path, baseline, truth, prediction, labels: tuple[str, str, str, str], channel_names,
+                           channels, title, panel_width_in: float, dpi: int) -> None:
+    """A row per channel shown: baseline, truth, prediction, |baseline - truth|, |prediction - truth| (no baseline:
+    truth, prediction and its error)."""
+    y_np, f_np = _as_chw_numpy(truth, "truth"), _as_chw_numpy(prediction, labels[2])
+    b_np = y_np if baseline is None else _as_chw_numpy(baseline, labels[0])
+    if not b_np.shape == y_np.shape == f_np.shape:
+        raise ValueError(f"{labels[0]}, truth and {labels[2]} must have one shape to be drawn; got "
+                         f"{b_np.shape}, {y_np.shape}, {f_np.shape}")
     count, height, width = y_np.shape
     names = _channel_labels(channel_names, count)
     shown = list(channels) if channels is not None else list(range(min(2, count)))
     if not shown or any(not 0 <= c < count for c in shown):
-        raise ValueError(f"save_forecast_png: channels {shown} must be indices of the {count} channels")
+        raise ValueError(f"channels {shown} to draw must be indices of the {count} channels")
+    with_baseline = baseline is not None
     rows = [(names[c], y_np[c],
-             [(x_np[c], "input (t)"), (y_np[c], "truth (t + lead)"), (f_np[c], "forecast")],
-             [(np.abs(x_np[c] - y_np[c]), f"|persistence − truth|  RMSE {_rmse(x_np[c], y_np[c]):.4g}"),
-              (np.abs(f_np[c] - y_np[c]), f"|forecast − truth|  RMSE {_rmse(f_np[c], y_np[c]):.4g}")])
+             [(b_np[c], labels[0])] * with_baseline + [(y_np[c], labels[1]), (f_np[c], labels[2])],
+             [(np.abs(b_np[c] - y_np[c]), f"|{labels[3]} − truth|  RMSE {_rmse(b_np[c], y_np[c]):.4g}")] * with_baseline
+             + [(np.abs(f_np[c] - y_np[c]), f"|{labels[2]} − truth|  RMSE {_rmse(f_np[c], y_np[c]):.4g}")])
             for c in shown]
     _save_panels(path, rows, height / width, title, panel_width_in, dpi)
 

@@ -79,7 +79,7 @@ def model_facts(cfg: Config) -> tuple[float, list[int], int]:
     may cut) of the config's model, counted on the meta device."""
     flops = train_flops_per_sample(lambda: meta_model(cfg), (cfg.model.in_chans, *input_size(cfg)))
     grads = [4 * p.numel() for p in meta_model(cfg).parameters() if p.requires_grad][::-1]
-    shape = model_shape(cfg.model) if has_description(cfg.model) else None  # (no pipeline without one)
+    shape = model_shape(cfg.model, cfg.target_chans) if has_description(cfg.model) else None  # (no pipeline without one)
     units = len(shape.pipeline_units()[0]) if hasattr(shape, "pipeline_units") else 0
     return flops, grads, units
 

@@ -80,7 +80,7 @@ def predict_speed(layout: Layout, cfg, cluster: Cluster, flops_per_sample: float
     inner = cluster.intra_bw if layout.tp * layout.cp <= g else cluster.inter_bw / g  # tp x cp groups
     act_bytes = 2 if key == "bf16" else 4
     param_bytes = 2 if PRECISIONS[layout.precision][1] == "bf16" else 4
-    shape = model_shape(cfg.model) if has_description(cfg.model) else None  # (tp, cp, pp need one)
+    shape = model_shape(cfg.model, cfg.target_chans) if has_description(cfg.model) else None  # (tp, cp, pp need one)
     grads = sum(grad_bytes)
     terms: dict[str, float] = {}
 

@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from utils.data.common import DataError, open_h5
-from utils.data.era5 import FIELDS_KEY, ERA5Dataset, Step, YearFile, bicubic_downsample, parse_step, split_step
+from utils.data.era5 import ERA5Dataset, bicubic_downsample
+from utils.data.files import FIELDS_KEY, Step, YearFile, parse_step, split_step
 from utils.data.volume import INPUT_KEY, TARGET_KEY, describe_volume
 
 TIME_KEY = "time"  # datasets/convert.py's hours since 1970 beside ``fields``
@@ -75,9 +76,13 @@ LONGITUDE_ATTRS = {"units": "degrees_east", "standard_name": "longitude", "long_
 class SplitFields(Inputs):
     """A split of the training layout; see the module docstring."""
 
-    def __init__(self, split_dir, channels: int, upscale: int, lead: int = 1):
+    def __init__(self, split_dir, channels: int, upscale: int, lead: int = 1,
+                 channel_sets: Optional[tuple[Sequence[int], Sequence[int]]] = None):
+        """``channel_sets`` (task diagnostic): the channel indices of the inputs and of the truth."""
         self.upscale, self.lead = upscale, lead  # upscale 1: the fields themselves are the input
-        self.dataset = ERA5Dataset(split_dir, task="sr", upscale=upscale, crop_size=0, train=False, channels=channels)
+        self.inputs, self.targets = channel_sets or (slice(None), slice(None))
+        self.dataset = ERA5Dataset(split_dir, task="sr", upscale=upscale, crop_size=0, train=False,
+                                   channels=None if channel_sets else channels)
         self.source = str(split_dir)
         self.files = self.dataset.files
         self.places = [(f, day) for f, file in enumerate(self.files) for day in range(file.days)]
@@ -85,8 +90,8 @@ class SplitFields(Inputs):
         self.coords = self._times()
         with open_h5(self.files[0].path) as f:
             units = f[FIELDS_KEY].attrs.get("units")
-        self.units = None if units is None or len(units) != self.files[0].channels else [
-            u.decode() if isinstance(u, bytes) else str(u) for u in units]
+        self.units = None if units is None or len(units) != self.files[0].channels else list(np.asarray([
+            u.decode() if isinstance(u, bytes) else str(u) for u in units])[self.targets])  # the outputs' units
 
     def _times(self) -> np.ndarray:
         per_file = [self._file_times(file) for file in self.files]
@@ -114,7 +119,7 @@ class SplitFields(Inputs):
         return start + hours_to_delta(np.arange(file.days) * step.count)
 
     def read(self, index: int) -> torch.Tensor:
-        field = self.dataset.read_field(*self.places[index])
+        field = self.dataset.read_field(*self.places[index])[self.inputs]
         return bicubic_downsample(field, self.upscale) if self.upscale > 1 else field
 
     def truth(self, index: int, lead: int = 0) -> Optional[torch.Tensor]:
@@ -123,7 +128,7 @@ class SplitFields(Inputs):
         segments = self.files[file].segments or (0,)
         if later >= self.files[file].days or sum(s <= day for s in segments) != sum(s <= later for s in segments):
             return None  # beyond the file, or across a gap in time
-        return self.dataset.read_field(file, later)
+        return self.dataset.read_field(file, later)[self.targets]
 
     def step(self) -> Step:
         """The spacing of the split's samples, from its record (6 h assumed where it records none)."""
