@@ -20,7 +20,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from models import build_model
+from models import build_model, on_meta
 from utils.checkpoint import TrainState, load_checkpoint, load_newest, prepare_run_dir, save_checkpoint
 from utils.config import parse_config
 from utils.data import build_loaders
@@ -52,12 +52,13 @@ def main():
 
     # ------------------------------------------------------------------------------------------ Model
     raw_model = build_model(cfg.model).to(device)
-    task.check_model(cfg.model, val_loader.dataset[0])  # the model contract, in one line
+    probe = on_meta(lambda: build_model(cfg.model))  # its shapes, no storage: the contract check and FLOP count
+    task.check_model(cfg.model, val_loader.dataset[0], probe)  # the model contract, in one line
     model = apply_ac(raw_model, tcfg.ac)
     model = apply_compile(model, tcfg.compile, tcfg.compile_backend, tcfg.cuda_graphs)
     model = apply_ddp(model, cfg, device)
     input_shape = tuple(val_loader.dataset[0][0].shape)
-    flops_per_sample = train_flops_per_sample(lambda: build_model(cfg.model), input_shape)
+    flops_per_sample = train_flops_per_sample(lambda: probe, input_shape)
     peak_flops = env.world_size * device_peak_flops(device, tcfg.amp_dtype)  # MFU of all devices together
 
     # -------------------------------------------------------------------------------------- Optimizer

@@ -27,7 +27,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from models import build_model
+from models import build_model, on_meta
 from utils.checkpoint import TrainState, load_newest, prepare_run_dir
 from utils.config import parse_config
 from utils.data import build_loaders
@@ -72,14 +72,15 @@ def main():
 
     # ------------------------------------------------------------------------------------------ Model
     raw_model = build_model(cfg.model).to(device)
-    task.check_model(cfg.model, val_loader.dataset[0])  # the model contract, in one line
+    probe = on_meta(lambda: build_model(cfg.model))  # its shapes, no storage: the contract check and FLOP count
+    task.check_model(cfg.model, val_loader.dataset[0], probe)  # the model contract, in one line
     model = apply_tp(raw_model, mesh["tp"])  # parameters -> DTensors on the tp ranks
     model = apply_cp(model, mesh["cp"])  # hooks: one band of tokens per cp rank
     model = apply_ac(model, tcfg.ac)
     model = apply_compile(model, tcfg.compile, tcfg.compile_backend, tcfg.cuda_graphs)
     model = apply_fsdp(model, cfg, device, dp_cp_mesh)  # in place: raw_model is model, sharded over dp x cp
     input_shape = tuple(val_loader.dataset[0][0].shape)
-    flops_per_sample = train_flops_per_sample(lambda: build_model(cfg.model), input_shape)
+    flops_per_sample = train_flops_per_sample(lambda: probe, input_shape)
     if bands:  # the sample's FLOPs are its bands'
         flops_per_sample = bands.sum(flops_per_sample, device)
     peak_flops = env.world_size * device_peak_flops(device, tcfg.amp_dtype)  # MFU of all devices together

@@ -24,7 +24,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from models import build_model
+from models import build_model, on_meta
 from utils.checkpoint import TrainState, load_newest, prepare_run_dir
 from utils.config import parse_config
 from utils.data import build_loaders
@@ -64,7 +64,8 @@ def main():
 
     # ------------------------------------------------------------------------------------------ Model
     raw_model = build_model(cfg.model).to(device)
-    task.check_model(cfg.model, val_loader.dataset[0])  # the model contract, in one line
+    probe = on_meta(lambda: build_model(cfg.model))  # its shapes, no storage: the contract check and FLOP count
+    task.check_model(cfg.model, val_loader.dataset[0], probe)  # the model contract, in one line
     loss_fn = build_loss(cfg)
     # This rank's stages: parts of raw_model. Each pipeline takes batch_size / dp samples per step.
     pipeline = Pipeline(raw_model, cfg, mesh["pp"], device, loss_fn, cfg.train.batch_size // dp_size)
@@ -75,7 +76,7 @@ def main():
     pipeline.parallelize(lambda stage: apply_data_parallel(stage, cfg, device, mesh))  # FSDP2 across pipelines
     model = pipeline.local_model()  # this rank's parameters under the model's names: optimizer, checkpoints
     input_shape = tuple(val_loader.dataset[0][0].shape)
-    flops_per_sample = train_flops_per_sample(lambda: build_model(cfg.model), input_shape)
+    flops_per_sample = train_flops_per_sample(lambda: probe, input_shape)
     peak_flops = env.world_size * device_peak_flops(device, tcfg.amp_dtype)  # MFU of all devices together
 
     # -------------------------------------------------------------------------------------- Optimizer

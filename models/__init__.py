@@ -33,7 +33,7 @@ from .unet3d import UNet3D
 from .vit import ViT
 
 __all__ = ["SwinIR", "UNet3D", "ViT", "ModelError", "build_model", "count_parameters", "fixed_input_size",
-           "load_model_class"]
+           "load_model_class", "on_meta"]
 
 DATA_ARGS = ("in_chans", "out_chans", "img_size", "upscale", "mean", "std", "out_mean", "out_std")
 """What a model may take from the data (resolved from it before the model is built)."""
@@ -62,6 +62,17 @@ def load_model_class(path: str, folder: str = "", key: str = "model_class") -> C
         raise ModelError(f"{key} {path}: module {module_name} ({module.__file__}) has no class or function "
                          f"{name!r}")
     return target
+
+
+def on_meta(model_fn: Callable[[], nn.Module]) -> nn.Module:
+    """``model_fn()``'s model on the meta device: shapes without storage, built in no time and no memory."""
+    try:
+        with torch.device("meta"):
+            return model_fn()
+    except (NotImplementedError, RuntimeError):
+        # The constructor read a tensor's values (e.g. torch.linspace(...).tolist()), which meta
+        # tensors do not have: build on the CPU once, then drop the storage.
+        return model_fn().to("meta")
 
 
 def build_model(cfg) -> nn.Module:

@@ -38,13 +38,12 @@ from typing import Optional
 import torch
 from torch import nn
 
-from models import ModelError, build_model, load_model_class
+from models import ModelError, build_model, load_model_class, on_meta
 from utils.config import ConfigError
 from utils.data.common import DataError, evenly_spaced
 from utils.data.era5 import ERA5Dataset, channel_sets, read_climatology
 from utils.data.files import scan_split
 from utils.data.volume import input_names, target_mean
-from utils.observe.flops import on_meta
 from utils.observe.pictures import save_diagnostic_png, save_forecast_png, save_sample_png, save_volume_png
 from utils.observe.scores import ACCAccumulator, L1Accumulator, RMSEAccumulator, bicubic_upsample, latitude_weights
 from utils.parallel.domain_parallel import BICUBIC_REACH, gather_bands, halo
@@ -75,11 +74,13 @@ class Task:
         self.channel_names = list(channel_names)
         self.key_channels = list(key_channels)
 
-    def check_model(self, model_cfg, sample: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def check_model(self, model_cfg, sample: tuple[torch.Tensor, torch.Tensor],
+                    probe: Optional[nn.Module] = None) -> None:
         """The model contract of this task, at build time, each breach one line (ModelError): a model fed physical
-        units takes ``mean`` and ``std``; a sample (input, target) of the data goes through the model (``model_cfg``'s,
-        built again on the meta device: no memory, no time, none of its caches touched) to the target's shape
-        (channels only for a rank's band)."""
+        units takes ``mean`` and ``std``; a sample (input, target) of the data goes through the model to the target's
+        shape (channels only for a rank's band). ``probe``: ``model_cfg``'s model on the meta device (no memory, no
+        time, none of the real model's caches touched), which the scripts share with the FLOP count; None: built
+        here."""
         inputs, target = sample
         name = model_cfg.model_class
         takes = set(inspect.signature(load_model_class(name, model_cfg.model_path)).parameters)
@@ -91,7 +92,7 @@ class Task:
             raise ModelError(f"{name} takes no out_mean and out_std, but task {self.name} asks it for other channels "
                              "than it reads, in their own units: add out_mean and out_std arguments and de-normalise "
                              "its outputs with them (models/vit.py does; docs/part4-your-model.md)")
-        model = on_meta(lambda: build_model(model_cfg)).eval()
+        model = (probe if probe is not None else on_meta(lambda: build_model(model_cfg))).eval()
         try:
             with torch.no_grad():
                 out = model(torch.empty((1, *inputs.shape), dtype=inputs.dtype, device="meta"))

@@ -34,11 +34,10 @@ from torch.func import functional_call
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import models.swinir as swinir
-from models import build_model
+from models import build_model, on_meta
 from utils.config import Config
 from utils.memory.estimate import GB
 from utils.memory.shapes import input_size
-from utils.observe.flops import on_meta
 from utils.parallel.fsdp import apply_fsdp
 from utils.parallel.techniques import apply_ac, apply_ddp
 from utils.precision import autocast, make_grad_scaler

@@ -22,20 +22,10 @@ import psutil
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from models import on_meta
 from utils.precision import dtype_of
 
 # ------------------------------------------------------------------------------------- FLOPs, MFU
-
-
-def on_meta(model_fn: Callable[[], torch.nn.Module]) -> torch.nn.Module:
-    """``model_fn()``'s model on the meta device: shapes without storage, built in no time and no memory."""
-    try:
-        with torch.device("meta"):
-            return model_fn()
-    except (NotImplementedError, RuntimeError):
-        # The constructor read a tensor's values (e.g. torch.linspace(...).tolist()), which meta
-        # tensors do not have: build on the CPU once, then drop the storage.
-        return model_fn().to("meta")
 
 
 def train_flops_per_sample(model_fn: Callable[[], torch.nn.Module], input_shape: Sequence[int]) -> float:

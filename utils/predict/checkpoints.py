@@ -24,11 +24,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from models import ModelError, build_model
+from models import ModelError, build_model, on_meta
 from utils.checkpoint import (DCP_METADATA, CheckpointError, TrainState, damage_in, latest_checkpoint,
                               load_checkpoint, strip_wrapper_prefixes)
 from utils.config import Config, ConfigError, build_config, load_named_configs
-from utils.observe.flops import on_meta
 from utils.parallel.fsdp import latest_sharded_checkpoint
 
 WEIGHT_KEYS = ("model", "params_ema", "params", "model_state_dict", "state_dict")
