@@ -14,6 +14,7 @@ import torch
 
 import estimate_memory
 from models import build_model, count_parameters
+from tests import estimates_golden
 from tests.conftest import run_script
 from utils.config import ConfigError, build_config, load_named_configs
 from utils.memory.estimate import estimate_memory as estimate
@@ -382,3 +383,12 @@ def test_whole_field_size_comes_from_the_data(tiny_data):
     result = estimate(cfg, device_type="cpu")
     assert result.setting["field"] == [64, 128] and result.setting["lr_input"] == [32, 64]
     assert str(tiny_data) in result.setting["field_source"]
+
+
+def test_the_estimate_and_the_plan_of_every_named_config_stay_as_recorded():
+    # tests/golden/estimates.json: what a refactor of how models are described must keep (a deliberate change
+    # records them again: python -m tests.estimates_golden --write).
+    now, recorded = estimates_golden.figures(), json.loads(estimates_golden.GOLDEN.read_text())
+    moved = sorted(k for k in now.keys() | recorded.keys() if now.get(k) != recorded.get(k))
+    assert not moved, f"{len(moved)} of {len(now)} figures moved, e.g. {moved[:5]}"
+    assert len(now) > 200 and not [k for k, v in now.items() if isinstance(v, str)]  # none refused
