@@ -8,7 +8,7 @@ import torch
 
 import evaluate
 import predict
-from tests.conftest import VIT_MODEL, final_weights, read_metrics, run_script
+from tests.conftest import VIT_MODEL, assert_layout_equal, check_layouts, final_weights, read_metrics, run_script
 from utils.config import ConfigError, build_config
 from utils.data.era5 import channel_sets
 from utils.data.files import scan_split
@@ -127,3 +127,14 @@ def test_a_channel_the_data_lacks_is_refused_with_the_datas_channels(vit_data):
     cfg = build_config("vit_tcwv_quickstart", {"data_dir": str(vit_data), "target_channels": ["precip"]})
     with pytest.raises(ConfigError, match=r"\['precip'\] are not channels of .*its channels: \[u10, v10|'u10', 'v10'"):
         channel_sets(cfg, scan_split(vit_data / "train")[0])
+
+
+def test_the_diagnostic_vit_passes_the_layout_check():
+    # Tensor parallelism splits the head (19 inputs' tokens -> 1 channel) by its rows, context parallelism gathers
+    # the head's output: the two layouts that touch what task diagnostic changes, on 2 processes.
+    code, rows = check_layouts("--config", "vit_tcwv_quickstart", *VIT_MODEL, "--only", "tp,cp", "--steps", "2",
+                               ranks=2)
+    assert code == 0 and [r["layout"] for r in rows if r.get("passed") is not None] == ["tp2", "cp2"], rows
+    for row in rows:
+        if row.get("passed") is not None:
+            assert_layout_equal(row)
