@@ -311,19 +311,16 @@ def build_task(cfg, device: Optional[torch.device] = None, bands=None) -> Task:
     d = cfg.data
     if d.task == "sr":
         return task_class(cfg, SuperResolution)(d.channel_names, d.key_channels, cfg.model.upscale, bands)
-    if d.task == "forecast":
+    if d.task in ("forecast", "diagnostic"):
         first = scan_split(Path(d.data_dir) / d.valid_split)[0]
         rows = first.height - 1  # the dataset drops the last latitude row
         climatology = torch.from_numpy(read_climatology(d.data_dir, first.channels, rows, first.width))
-        return task_class(cfg, Forecast)(d.channel_names, d.key_channels, climatology.to(device or "cpu"),
-                                         latitude_weights(first.height, rows))
-    if d.task == "diagnostic":
-        split = Path(d.data_dir) / d.valid_split
-        first = scan_split(split)[0]
-        rows = first.height - 1  # the dataset drops the last latitude row
-        inputs, targets = channel_sets(cfg, first)
         weights = latitude_weights(first.height, rows)
-        climatology = torch.from_numpy(read_climatology(d.data_dir, first.channels, rows, first.width))[targets]
+    if d.task == "forecast":
+        return task_class(cfg, Forecast)(d.channel_names, d.key_channels, climatology.to(device or "cpu"), weights)
+    if d.task == "diagnostic":
+        inputs, targets = channel_sets(cfg, first)
+        climatology = climatology[targets]
         fit = ERA5Dataset(Path(d.data_dir) / d.train_split, task="diagnostic", crop_size=0, train=False,
                           inputs=inputs, targets=targets)
         linear = LinearBaseline(fit, cfg.model.mean, cfg.model.std, weights)

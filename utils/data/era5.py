@@ -362,7 +362,7 @@ def resolve_from_data(cfg) -> list[YearFile]:
         took = _take_channels(cfg, first, root)
         check_channels(first, m.in_chans)
     if not d.channel_names:
-        d.channel_names = list(first.names or (f"channel {c}" for c in range(first.channels)))
+        d.channel_names = channel_names_of(first)
     missing = [name for name in d.key_channels if name not in d.channel_names]
     if missing:
         raise ConfigError(f"key_channels {missing} are not channels of the data; channel_names: {d.channel_names}")
@@ -438,7 +438,7 @@ def _take_channels(cfg, first: YearFile, root: Path) -> list[str]:
     was, m.in_chans = m.in_chans, first.channels
     took = [f"in_chans {first.channels} (the config's {was})"]
     if "channel_names" not in cfg.stated:
-        d.channel_names = list(first.names or (f"channel {c}" for c in range(first.channels)))
+        d.channel_names = channel_names_of(first)
         took.append(f"channel_names [{', '.join(d.channel_names)}]")
     if "key_channels" not in cfg.stated:
         kept = [name for name in d.key_channels if name in d.channel_names]
