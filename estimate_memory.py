@@ -34,7 +34,7 @@ The U-Net's input is its crop_size³ crop; its units are its down and up blocks 
 See utils/memory/estimate.py for the model of each term, and which terms are exact or approximate;
 benchmarks/validate_memory_estimate.py compares the estimate with measurements.
 
-A model without a hand-written description (utils/memory/shapes.py), or any model with --traced, is estimated by
+A model without a hand-written description (a spec's memory: models/spec.py, utils/memory/shapes.py), or any model with --traced, is estimated by
 tracing one training step on fake tensors (utils/memory/traced.py: PyTorch's memory trackers, nothing allocated,
 a second or two): its peak per rank on one device, under DDP, FSDP2 or HSDP, with AC and autocast as configured,
 within 10 % of the measured peak on CPU (benchmarks/validate_traced_estimate.py; benchmarks/README.md). It runs

@@ -1,8 +1,9 @@
 """Models of the tutorial, and the one way every model is built: the built-in ones and yours alike.
 
 ``build_model(cfg)`` imports what ``cfg.model_class`` names by import path, ``module:Class`` (a class or a function
-that returns the model; a built-in model's name stands for its path: ``models.swinir:build``, ``models.vit:build``,
-``models.unet3d:UNet3D``), and calls it with the keyword arguments it names among:
+that returns the model; a built-in model's name stands for the builder its spec names, e.g. ``models.swinir:build``:
+each built-in model is a folder, ``models/<name>/``, with its network and its spec, models/spec.py), and calls it
+with the keyword arguments it names among:
 
 - the data's, the model contract (docs/part4-your-model.md): ``in_chans``, ``out_chans``, ``img_size`` (height,
   width), ``upscale``, ``mean`` and ``std`` (per channel, physical units: a model fed physical units normalises
@@ -28,12 +29,12 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import parametrize
 
-from .swinir import SwinIR
-from .unet3d import UNet3D
-from .vit import ViT
+from .spec import ModelSpec, target_spec
 
-__all__ = ["SwinIR", "UNet3D", "ViT", "ModelError", "build_model", "count_parameters", "fixed_input_size",
-           "load_model_class", "on_meta"]
+# The built-in models (models/<name>/: the network and its spec) are imported where a config names them, not here:
+# their specs' memory descriptions use the helpers of utils/, which import this module.
+__all__ = ["ModelError", "build_model", "config_spec", "count_parameters", "fixed_input_size", "load_model_class",
+           "on_meta"]
 
 DATA_ARGS = ("in_chans", "out_chans", "img_size", "upscale", "mean", "std", "out_mean", "out_std")
 """What a model may take from the data (resolved from it before the model is built)."""
@@ -175,9 +176,15 @@ def _shown(kwargs: dict) -> str:
     return shown if len(shown) < 120 else shown[:117] + "..."
 
 
+def config_spec(cfg) -> ModelSpec:
+    """The spec (models/spec.py) of the model a config's model section builds: its module imported, as
+    :func:`build_model` imports it, so that the spec registered beside the model is found."""
+    return target_spec(load_model_class(cfg.model_class, cfg.model_path))
+
+
 def fixed_input_size(cfg) -> Optional[tuple[int, int]]:
     """(height, width) the model accepts and nothing else (the ViT: its position embedding), or None (any size)."""
-    return cfg.img_hw if cfg.model == "vit" else None
+    return cfg.img_hw if config_spec(cfg).fixed_input_size else None
 
 
 def count_parameters(model: nn.Module) -> int:

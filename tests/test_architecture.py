@@ -1,7 +1,7 @@
 """The house's walls (docs/architecture.md): what `make test` and these tests hold the code to.
 
-- The import contracts of .importlinter (models/ import nothing from utils/; utils/ in layers; no circle
-  among the modules of a package) hold, and a new import that breaks one fails `lint-imports` with a line
+- The import contracts of .importlinter (models/ import nothing from utils/, utils/ no model's folder; utils/ in
+  layers; no circle among the modules of a package) hold, and a new import that breaks one fails `lint-imports` with a line
   that names it.
 - Imports stand at module top: an import inside a function is allowed only for an optional or heavy
   dependency, with a comment that says why.
@@ -42,7 +42,7 @@ def with_import(tmp_path: Path, module: str, imported: str) -> Path:
 def test_the_import_contracts_hold_and_a_broken_one_names_the_import(tmp_path):
     kept = lint_imports(REPO)
     assert kept.returncode == 0, kept.stdout + kept.stderr
-    assert "4 kept, 0 broken" in kept.stdout
+    assert "5 kept, 0 broken" in kept.stdout
     upward = lint_imports(with_import(tmp_path, "config.py", "utils.training"))  # the ground floor reaching up
     assert upward.returncode != 0
     assert "utils.config -> utils.training" in upward.stdout  # (and, as training imports config, a circle)
@@ -51,6 +51,21 @@ def test_the_import_contracts_hold_and_a_broken_one_names_the_import(tmp_path):
     assert "No cycles are allowed in utils.data" in circle.stdout and ".common -> .era5" in circle.stdout
     script = lint_imports(with_import(tmp_path, "predict/store.py", "datasets.convert"))  # the library on a script
     assert script.returncode != 0 and "utils.predict.store -> datasets.convert" in script.stdout
+    model = lint_imports(with_import(tmp_path, "memory/estimate.py", "models.vit.memory"))  # a helper on a model
+    assert model.returncode != 0 and "utils.memory.estimate -> models.vit.memory" in model.stdout
+
+
+def test_each_built_in_model_is_a_folder_with_its_spec_behind_the_wall():
+    """Adding a built-in model is a folder (its network and its spec) and a registration; utils/ may not import it."""
+    from models.spec import built_in, built_in_names  # noqa: PLC0415 (imports torch; the other tests here need none)
+
+    contract = (REPO / ".importlinter").read_text().split("[importlinter:contract:built-in]")[1].split("[")[0]
+    assert built_in_names() == ["swinir", "unet3d", "vit"]
+    for name in built_in_names():
+        assert f"    models.{name}\n" in contract, f"models/{name}/ is not behind the wall of .importlinter"
+        assert {"network.py", "spec.py"} <= {p.name for p in (REPO / "models" / name).iterdir()}
+        spec = built_in(name)
+        assert spec.name == name and spec.build.startswith(f"models.{name}:") and spec.memory is not None
 
 
 def python_files(*folders: str) -> list[Path]:

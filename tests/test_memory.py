@@ -20,7 +20,8 @@ from utils.config import ConfigError, build_config, load_named_configs
 from utils.memory.estimate import estimate_memory as estimate
 from utils.memory.measure import (SavedTensorBytes, build_for_measurement, loss_for, measure_config,
                                   measure_saved_activations, random_batch, trace_saved_activations)
-from utils.memory.shapes import ViTShape, model_shape
+from models.vit.memory import ViTShape
+from utils.memory.shapes import model_shape
 from utils.memory.traced import estimate_traced
 from utils.training import run_cli
 

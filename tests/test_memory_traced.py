@@ -7,18 +7,20 @@ the steps tests/test_memory.py measures and the record of tests/test_fsdp.py's r
 processes: benchmarks/validate_traced_estimate.py.)
 """
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
 
 import estimate_memory
-from models import UNet3D
+from models import spec as specs
+from models.unet3d import UNet3D
 from tests.spectral_model import SpectralNet
 from utils.config import ConfigError, build_config
-from utils.memory import shapes, traced
+from utils.memory import traced
 from utils.memory.measure import measure_layout
 from utils.memory.traced import CannotTrace, estimate_model, estimate_traced, refuse_untraceable_layout
-from utils.parallel import plans
 from utils.parallel.plans import ModelPlan
 from utils.plan.clusters import load_cluster
 from utils.plan.planner import plan
@@ -56,8 +58,10 @@ UNET = ["--config", "unet3d_quickstart", "--crop_size", "16", "--widths", "[4, 8
 
 
 def test_a_model_without_a_description_is_traced_by_estimate_memory_and_plan(monkeypatch, tmp_path, capsys):
-    monkeypatch.delitem(shapes.SHAPES, "unet3d")  # as for a model plugged in from outside
-    monkeypatch.setitem(plans._PLANS, UNet3D, ModelPlan())  # no units: two layouts on one process (fp32, bf16)
+    # As for a model plugged in from outside: no memory description, and no units (two layouts on one process: fp32,
+    # bf16).
+    monkeypatch.setitem(specs._SPECS, UNet3D, dataclasses.replace(specs.class_spec(UNet3D), memory=None,
+                                                                  plan=ModelPlan()))
     assert estimate_memory.main(UNET) == 0
     table = capsys.readouterr().out
     for words in ("UNet3D training memory, traced — config unet3d_quickstart", "input 2x4x16x16x16 per rank",

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
-import models.swinir as swinir
+import models.swinir.network as swinir
 from models import build_model, count_parameters
-from models.swinir import SwinIR, compute_shift_mask
+from models.swinir.network import SwinIR, compute_shift_mask
 from utils.config import build_config
 
 ERA5_MEAN = [6.3024, 278.3945, 18.4262]

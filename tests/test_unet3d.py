@@ -1,4 +1,4 @@
-"""Part III through Part I's scripts: SC22's 3-D U-Net (models/unet3d.py) on crops of one simulation box
+"""Part III through Part I's scripts: SC22's 3-D U-Net (models/unet3d/network.py) on crops of one simulation box
 (utils/data/volume.py).
 
 The model's shapes and SC22's parameter count (by formula); the cube's 48 symmetries, applied alike to input

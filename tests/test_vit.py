@@ -1,4 +1,4 @@
-"""The ViT forecaster (models/vit.py): NERSC's parameter counts, shapes, layout, normalisation, attention.
+"""The ViT forecaster (models/vit/network.py): NERSC's parameter counts, shapes, layout, normalisation, attention.
 
 The arithmetic is checked against references written out here: a dense per-head attention
 softmax(q kᵀ / sqrt(d)) v, and a patchify by plain indexing whose inverse unpatchify must be.
@@ -14,7 +14,7 @@ import timm.layers
 
 from models import build_model, count_parameters
 from models.layers import DropPath, Mlp, trunc_normal_
-from models.vit import Block, ViT
+from models.vit.network import Block, ViT
 from utils.config import ConfigError, build_config
 
 # Physical scales like ERA5's: kelvins, pascals, m/s; bf16 would round them (278.39 K -> 278.0 K).

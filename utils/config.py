@@ -32,11 +32,11 @@ from typing import Any, Literal, Optional
 import yaml
 
 from utils.cli import OneLineParser
-from utils.config_checks import BUILT_IN_MODELS, validate
+from utils.config_checks import validate
 from utils.config_files import CONFIG_DIR, ConfigError, load_named_configs, named_config
 
 # Where configs come from (utils/config_files.py) and their value checks (utils/config_checks.py), for importers:
-__all__ = ["BUILT_IN_MODELS", "CONFIG_DIR", "ConfigError", "load_named_configs", "validate"]
+__all__ = ["CONFIG_DIR", "ConfigError", "load_named_configs", "validate"]
 
 
 @dataclass

@@ -19,7 +19,7 @@ def validate(cfg) -> None:
     d, m, t = cfg.data, cfg.model, cfg.train
     values = {**dataclasses.asdict(m), **dataclasses.asdict(d), **dataclasses.asdict(t), **dataclasses.asdict(cfg.dist)}
     for key in ("batch_size", "upscale", "lead", "in_chans", "n_patches", "out_chans", "log_every", "dist_timeout_s",
-                *(("window_size", "embed_dim", "patch_size") if m.model in BUILT_IN_MODELS else ())):
+                *(("window_size", "embed_dim", "patch_size") if m.model in _built_in_names() else ())):
         if not 0 < values[key] < math.inf:  # NaN too
             raise ConfigError(f"{key} must be > 0, got {values[key]}")
     for key in ("max_steps", "epochs", "val_every", "ckpt_every", "ckpt_every_minutes", "keep_checkpoints",
@@ -37,8 +37,7 @@ def validate(cfg) -> None:
     if len(m.img_size) not in (1, 2) or min(m.img_size) <= 0:
         raise ConfigError(f"img_size must be [height, width] or [side] with positive sides, got {m.img_size}")
     _validate_model_class(m)
-    if m.model in BUILT_IN_MODELS:
-        _validate_built_in(cfg)
+    _validate_model(cfg)
     if d.task == "volume":
         _validate_volume(cfg)
     elif t.lambda_rho:
@@ -77,62 +76,51 @@ def validate(cfg) -> None:
                           f"{cfg.dist.warmup_steps}")
 
 
-BUILT_IN_MODELS = {"swinir": "models.swinir:build", "vit": "models.vit:build", "unet3d": "models.unet3d:UNet3D"}
-"""The built-in models by name, and what builds each from the model keys of the config (models/__init__.py)."""
+def _spec(m):
+    """The spec of the config's model (models/spec.py), beside the model: importing it imports torch, so only here."""
+    from models import config_spec  # noqa: PLC0415 (see the docstring)
+    return config_spec(m)
+
+
+def _built_in_names() -> list[str]:
+    from models.spec import built_in_names  # noqa: PLC0415 (the folders of models/: no torch needed, but the package)
+    return built_in_names()
 
 
 def _validate_model_class(m) -> None:
     """A built-in model by name, or yours by model_class (then under a name of its own); fills in model_class."""
+    built_in = _built_in_names()
     if not m.model_class:
-        if m.model not in BUILT_IN_MODELS:
-            raise ConfigError(f"model {m.model!r} is not one of the built-in models ({', '.join(BUILT_IN_MODELS)}): "
+        if m.model not in built_in:
+            raise ConfigError(f"model {m.model!r} is not one of the built-in models ({', '.join(built_in)}): "
                               "name its class with model_class: module:Class (docs/part4-your-model.md)")
-        m.model_class = BUILT_IN_MODELS[m.model]
-    elif m.model in BUILT_IN_MODELS and m.model_class != BUILT_IN_MODELS[m.model]:
+        m.model_class = _built_in_spec(m.model).build
+    elif m.model in built_in and m.model_class != _built_in_spec(m.model).build:
         raise ConfigError(f"model {m.model!r} is the built-in one, but model_class is {m.model_class}: give your "
                           f"model a name of its own (e.g. model: {m.model_class.split(':')[-1].lower()})")
     if m.model_class.count(":") != 1 or not all(m.model_class.split(":")):
         raise ConfigError(f"model_class must be module:Class (e.g. fno:FNO2d), got {m.model_class!r}")
 
 
-def _validate_built_in(cfg) -> None:
-    """The keys of the built-in models (yours has model_args, which its constructor checks)."""
-    d, m, t = cfg.data, cfg.model, cfg.train
-    if len(m.depths) != len(m.num_heads):
-        raise ConfigError(f"depths {m.depths} and num_heads {m.num_heads} must have the same length")
-    if any(v <= 0 for v in m.depths + m.num_heads):
-        raise ConfigError(f"depths {m.depths} and num_heads {m.num_heads} must be > 0")
-    if any(m.embed_dim % h for h in m.num_heads):
-        raise ConfigError(f"embed_dim {m.embed_dim} must be divisible by every num_heads {m.num_heads}")
-    if m.model != "unet3d" and [h for h in m.num_heads if h % cfg.dist.tp]:
-        raise ConfigError(f"num_heads {m.num_heads} must be divisible by tp {cfg.dist.tp}: each tensor-parallel "
-                          "rank holds whole heads; use a tp that divides every num_heads")
-    if m.model == "vit":
-        if d.task not in ("forecast", "diagnostic"):
-            raise ConfigError(f"the ViT maps fields to fields of the same size: use task forecast or diagnostic, not "
-                              f"{d.task}")
-        if len(m.depths) != 1:
-            raise ConfigError(f"the ViT has one stage: depths must have one entry (its depth), got {m.depths}")
-        if "layer" in (t.ac, cfg.dist.fsdp_unit):
-            raise ConfigError("ac/fsdp_unit 'layer' is SwinIR's RSTB; the ViT's unit is the transformer block: use block")
-        height, width = m.img_hw
-        if height % m.patch_size or width % m.patch_size:
-            raise ConfigError(f"img_size {height}x{width} is not divisible by patch_size {m.patch_size}: "
-                              "use a patch size that divides both sides")
-    if (m.model == "unet3d") != (d.task == "volume"):
-        raise ConfigError(f"task volume is what model unet3d trains on, and only it: got model {m.model} with task "
-                          f"{d.task}; use --config unet3d_base (or unet3d_quickstart)")
-    if m.model == "unet3d":
-        if not m.widths or min(m.widths) < 1:
-            raise ConfigError(f"widths must be one or more positive channel counts, got {m.widths}")
-        levels = len(m.widths) + m.full_scale
-        if d.crop_size < 2 ** levels or d.crop_size % 2 ** levels:
-            raise ConfigError(f"crop_size {d.crop_size} must be a multiple of 2**{levels} = {2 ** levels}: the U-Net "
-                              f"halves it {levels} times ({len(m.widths)} widths{' + full_scale' if m.full_scale else ''}"
-                              f"); use {max(2 ** levels, d.crop_size // 2 ** levels * 2 ** levels)} or fewer levels")
-        if "layer" in (t.ac, cfg.dist.fsdp_unit):
-            raise ConfigError("ac/fsdp_unit 'layer' is SwinIR's RSTB; the U-Net's unit is its block (each level's "
-                              "convolution): use block")
+def _built_in_spec(name: str):
+    from models.spec import built_in  # noqa: PLC0415 (a built-in model's folder imports torch: only here)
+    return built_in(name)
+
+
+def _validate_model(cfg) -> None:
+    """What the model's spec says: the tasks it trains on, and its own checks of its keys (models/<name>/spec.py)."""
+    spec = _spec(cfg.model)
+    if cfg.data.task not in spec.tasks:
+        raise ConfigError(f"model {cfg.model.model} trains on task {' or '.join(spec.tasks)}, not {cfg.data.task}: use "
+                          f"task {spec.tasks[0]} (--task {spec.tasks[0]}), or a model whose spec's tasks include "
+                          f"{cfg.data.task} (models/spec.py)")
+    try:
+        if spec.check is not None:
+            spec.check(cfg)
+    except ConfigError:
+        raise
+    except ValueError as error:  # a spec's check says what is wrong in plain ValueErrors (models/ imports no utils/)
+        raise ConfigError(str(error)) from None
 
 
 def _validate_volume(cfg) -> None:

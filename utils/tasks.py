@@ -91,7 +91,7 @@ class Task:
         if self.physical_units and self.other_outputs and not {"out_mean", "out_std"} <= takes:
             raise ModelError(f"{name} takes no out_mean and out_std, but task {self.name} asks it for other channels "
                              "than it reads, in their own units: add out_mean and out_std arguments and de-normalise "
-                             "its outputs with them (models/vit.py does; docs/part4-your-model.md)")
+                             "its outputs with them (models/vit/network.py does; docs/part4-your-model.md)")
         model = (probe if probe is not None else on_meta(lambda: build_model(model_cfg))).eval()
         try:
             with torch.no_grad():

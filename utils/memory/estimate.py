@@ -10,7 +10,7 @@ prints) adds up
   (:func:`~utils.memory.graphs.simulate_peak`).
 
 Model parallelism (train_mp.py, train_pp.py; plan.py ranks layouts by it): ``tp`` splits what the model's row of
-utils/parallel/plans.py splits (the activations as each graph says: utils/memory/graphs.py), the ViT's ``cp`` gives
+spec splits (the activations as each graph says: models/<name>/memory.py), the ViT's ``cp`` gives
 each rank a band of tokens with the keys and values of all bands, and ``pp`` gives each rank its stages' parameters
 and the activations of the microbatches its schedule keeps in flight (:func:`in_flight`). Checked against the
 ``memory`` records of small runs (tests/test_mp.py, test_pp.py, test_fsdp.py: within 10 %; tp 2 -6 % (SwinIR -5 %),
@@ -67,27 +67,21 @@ Which terms are exact and which approximate, for the models and PyTorch 2.14/2.1
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from utils.config import Config, ConfigError
-from utils.memory.graphs import (Layer, attention_kernel, held_after_forward, precision_for, simulate_peak,
-                                 training_graph, unet3d_training_graph, vit_attention_kernel, vit_precision,
-                                 vit_training_graph)
-from utils.memory.shapes import SwinIRShape, UNet3DShape, ViTShape, field_size_of, lr_input_size, model_shape
-from utils.parallel.context_parallel import band_rows
-from utils.parallel.domain_parallel import band_bounds
+from utils.memory.graphs import Layer, held_after_forward, simulate_peak
+from utils.memory.shapes import model_shape
 from utils.parallel.pipeline_parallel import STAGES_PER_RANK, balanced_split, stage_ids
+from utils.parallel.plans import config_plan
 from utils.precision import dtype_bytes
 
 GB = 1e9  # decimal gigabytes, as utils.observe.flops.peak_memory_gb and nvidia-smi's "GB"
 ADAMW_STATE_BYTES = 8  # exp_avg + exp_avg_sq in fp32 per parameter
 ADAMW_STEP_BYTES = 4  # and one fp32 step count per parameter tensor
-CONV_PARTS = ("stem", "rstb_convs", "body", "upsampler")  # SwinIR's parts around its 3x3 convolutions
 
 
 @dataclass
@@ -141,7 +135,7 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
     if strategy == "none" and world_size != 1:
         raise ConfigError(f"world_size {world_size} needs --strategy ddp or fsdp")
     if (tp > 1 or cp > 1) and strategy != "fsdp":
-        what = "domain parallelism" if cp > 1 and cfg.model.model == "swinir" else "model parallelism"
+        what = "domain parallelism" if cp > 1 and config_plan(cfg.model).cp == "fields" else "model parallelism"
         raise ConfigError(f"{'cp' if cp > 1 else 'tp'} > 1 is train_mp.py's {what}, sharded with FSDP2 over dp x cp: "
                           "use --strategy fsdp with --world_size a multiple of tp x cp")
     if pp > 1 and (tp > 1 or cp > 1):
@@ -164,43 +158,8 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
     graph_batch = batch // d.pp_microbatches if pp > 1 else batch  # a pipeline's graph is one microbatch's
 
     # ---------------------------------------------------------------------- activations
-    if isinstance(shape, ViTShape):
-        vit = cfg.model.img_hw
-        if field or (lr_size and tuple(lr_size) != vit):
-            raise ConfigError(f"the ViT's input is its img_size {vit[0]}x{vit[1]} (no crops, no --field): "
-                              "set --img_size instead")
-        height, width = padded = vit
-        p = vit_precision(device_type, cfg.train.amp_dtype, param_dtype)
-        kernel = vit_attention_kernel(device_type, p, shape.head_dim)
-        rows, cols = height // shape.patch_size, width // shape.patch_size
-        band = band_rows(rows, cp)[0] * cols if cp > 1 else None  # the largest band's tokens
-        graph = vit_training_graph(shape, p, kernel, ac, graph_batch, cfg.train.loss, cfg.train.loss_space, tp, band)
-        tokens = batch * (band or shape.tokens)
-    elif isinstance(shape, UNet3DShape):
-        if field:
-            raise ConfigError("the U-Net trains on crop_size³ crops of a volume: --field does not apply; set --crop_size")
-        side = lr_size[0] if lr_size else cfg.data.crop_size
-        height = width = side
-        padded = (side,) * 3
-        p = precision_for(device_type, cfg.train.amp_dtype, param_dtype)
-        p = dataclasses.replace(p, label=p.label.replace(" (LayerNorm in fp32)", ""))  # no LayerNorm here
-        kernel = "conv3d"
-        graph = unet3d_training_graph(shape, p.matmul, dtype_bytes(param_dtype), ac, graph_batch, side,
-                                      cfg.train.lambda_rho)
-        tokens = batch * side ** 3
-    else:
-        p = precision_for(device_type, cfg.train.amp_dtype, param_dtype)
-        kernel = attention_kernel(device_type)
-        height, width = lr_size or lr_input_size(cfg, field)
-        if cp > 1:  # this rank's rows: the first band, the largest (whole windows, no padding)
-            start, stop = band_bounds(height, cfg.model.window_size, cp)[0]
-            height = stop - start
-        pm = shape.pad_multiple
-        padded = (math.ceil(height / pm) * pm, math.ceil(width / pm) * pm)
-        out_pixels = graph_batch * height * shape.scale * width * shape.scale
-        graph = training_graph(shape, p, kernel, ac, graph_batch, padded, out_pixels, cfg.train.loss,
-                               cfg.train.loss_space, tp)
-        tokens = batch * padded[0] * padded[1]
+    g = shape.activation_graph(cfg, device_type, param_dtype, batch, graph_batch, field, lr_size, tp, cp)
+    graph, kernel = g.graph, g.kernel
     num_params = shape.num_params()
     if pp > 1:
         ranks = pipeline_ranks(cfg, shape, graph, pp)
@@ -213,15 +172,11 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
     if pp > 1:  # the microbatches in flight, and on the first stage what torch's shape inference keeps
         parts = {k: v * stage.in_flight for k, v in parts.items()}
         parts["pipeline_shape_inference"] = stage.held - sum(parts.values())
-    if isinstance(shape, SwinIRShape):
-        parts.setdefault("rstb_convs", 0.0)
-        if cp > 1:  # approximate: each 3x3 convolution saves its input with a halo row above and below
-            for part in CONV_PARTS:
-                parts[part] = parts.get(part, 0.0) * (height + 2) / height
+    shape.adjust_held(parts, g, cp)
     # Autocast saves a low-precision copy of each linear/conv weight used outside checkpointed units.
     # (Under tp each rank casts its shards; a pipeline rank its stages': in proportion to their parameters.)
     share = (num_params / shape.num_params() if pp > 1 else 1.0) / tp
-    parts["autocast_weight_copies"] = 2.0 * shape.cast_weights(ac) * share if p.weight_copies else 0.0
+    parts["autocast_weight_copies"] = 2.0 * shape.cast_weights(ac) * share if g.weight_copies else 0.0
     activations = sum(parts.values())
 
     # ---------------------------------------------------------------------- temporary peak
@@ -261,17 +216,12 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
 
     setting = {
         "model": shape.name, "config": cfg.name, "strategy": strategy, "world_size": world_size,
-        "batch_per_rank": batch, "lr_input": list(padded) if isinstance(shape, UNet3DShape) else [height, width],
-        "padded_input": list(padded), "tokens_per_rank": tokens,
+        "batch_per_rank": batch, "lr_input": list(g.input_size), "padded_input": list(g.padded),
+        "tokens_per_rank": g.tokens,
         "amp_dtype": cfg.train.amp_dtype, "ac": ac, "device_type": device_type, "attention": kernel,
-        "precision": p.label, "num_params": shape.num_params(), "states_gb": round(states / GB, 6),
+        "precision": g.precision, "num_params": shape.num_params(), "states_gb": round(states / GB, 6),
     }
-    if isinstance(shape, ViTShape):
-        setting.update(patch_size=shape.patch_size, tokens_per_sample=shape.tokens, loss=cfg.train.loss,
-                       loss_space=cfg.train.loss_space)
-    elif not lr_size and not cfg.data.crop_size:
-        size, source = (field, "set by --field") if field else field_size_of(cfg)
-        setting["field"], setting["field_source"] = list(size), source
+    setting.update(g.setting)
     if strategy == "fsdp" and pp == 1:
         setting.update(shard_group=shard, fsdp_unit=d.fsdp_unit, param_dtype=param_dtype)
     for key, value in (("tp", tp), ("cp", cp), ("pp", pp)):

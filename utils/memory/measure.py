@@ -33,8 +33,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 from torch.profiler import ProfilerActivity, profile, record_function
 
-import models.swinir as swinir
 from models import build_model, on_meta
+from models.spec import class_spec
 from utils.config import Config
 from utils.memory.estimate import GB
 from utils.memory.shapes import input_size
@@ -144,9 +144,10 @@ def forward_and_loss(model: nn.Module, lr: torch.Tensor, hr: torch.Tensor, amp_d
 
 
 @contextlib.contextmanager
-def fresh_model_caches():
-    """SwinIR caches shift masks per size: masks made under FakeTensorMode must not outlive it."""
-    cache = getattr(getattr(swinir, "_cached_shift_mask", None), "cache_clear", None)
+def fresh_model_caches(model: nn.Module):
+    """What the model's module caches (its spec's ``fresh_caches``: SwinIR's shift masks per size) emptied before and
+    after: tensors made under FakeTensorMode must not outlive it."""
+    cache = class_spec(type(model)).fresh_caches
     if cache:
         cache()
     try:
@@ -169,7 +170,7 @@ def trace_saved_activations(model: nn.Module, lr_shape: tuple[int, ...], amp_dty
     hr_shape = (*lr_shape[:-2], lr_shape[-2] * scale, lr_shape[-1] * scale)
     if hasattr(model, "out_chans"):  # the U-Net: other channels out than in
         hr_shape = (lr_shape[0], model.out_chans, *lr_shape[2:])
-    with fresh_model_caches(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    with fresh_model_caches(model), FakeTensorMode(allow_non_fake_inputs=True) as mode:
         state = {}
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             fake = mode.from_tensor(tensor)

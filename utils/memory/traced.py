@@ -242,7 +242,7 @@ def trace_step(model: nn.Module, input_shape: Sequence[int], target_shape: Seque
     started = time.perf_counter()
     world = fake_process_group(world_size, d.hsdp_replicas) if strategy == "fsdp" else contextlib.nullcontext()
     try:
-        with world as mesh, fresh_model_caches(), FakeTensorMode(allow_non_fake_inputs=True):
+        with world as mesh, fresh_model_caches(model), FakeTensorMode(allow_non_fake_inputs=True):
             fake = apply_ac(fake_copy(model), cfg.train.ac)
             if strategy == "fsdp":  # HSDP: the 2-D mesh itself (apply_fsdp takes hsdp_replicas from a mesh it builds)
                 apply_fsdp(fake, dataclasses.replace(cfg, dist=dataclasses.replace(d, hsdp_replicas=1)),
@@ -307,7 +307,7 @@ def trace_inference(model: nn.Module, forward: Callable[[Callable, torch.Tensor]
 
     device = torch.device(device)
     try:
-        with fresh_model_caches(), FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+        with fresh_model_caches(model), FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
             fake = fake_copy(model, device).eval()
             tracker = MemTracker()
             tracker.track_external(fake)
@@ -372,7 +372,7 @@ def refuse_untraceable_layout(cfg: Config, model_name: str, described: bool = Fa
     used = [f"{name} {n}" for name, n in (("tp", d.tp), ("cp", d.cp), ("pp", d.pp)) if n > 1]
     if used:
         fix = ("the hand-written estimate has them: drop --traced" if described else
-               f"{model_name} has no hand-written memory description (utils/memory/shapes.py, graphs.py) for tensor, "
+               f"{model_name} has no hand-written memory description (a spec's memory: models/spec.py) for tensor, "
                "context or pipeline parallelism: use --tp 1 --cp 1 --pp 1")
         raise ConfigError(f"{' and '.join(used)}: the traced estimate covers one device, DDP, FSDP and HSDP; {fix}")
 

@@ -3,7 +3,8 @@
     tensor parallel -> context parallel -> activation checkpointing -> torch.compile -> DDP / FSDP2
 
 - ``distributed.py``: the launcher's environment -> ranks, devices, process groups and device meshes.
-- ``plans.py``: what is model-specific, one row per model (TP plan, what cp splits, pipeline cuts, AC/FSDP units).
+- ``plans.py``: what is model-specific, read from each model's spec (models/spec.py; the built-in ones in
+  models/<name>/spec.py): TP plan, what cp splits, pipeline cuts, AC/FSDP units.
 - ``techniques.py``: activation checkpointing, torch.compile and DDP.
 - ``fsdp.py``: FSDP2 / HSDP and their DCP checkpoints (``python -m utils.parallel.fsdp export``).
 - ``tensor_parallel.py``, ``context_parallel.py`` (the ViT's token bands), ``domain_parallel.py`` (SwinIR's

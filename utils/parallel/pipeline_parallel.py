@@ -6,7 +6,7 @@
   features = the long skip, input), so middle stages pass the skip on untouched and the last stage
   adds ``conv_after_body(features) + skip``, upsamples and crops to the input's size; the ViT: the
   units are its transformer blocks and the carry is (tokens,). Stage s holds a contiguous run of
-  units, plus the stem if it is the first and the tail if it is the last (its row in utils/parallel/plans.py names them).
+  units, plus the stem if it is the first and the tail if it is the last (its plan, in its spec: models/spec.py names them).
 - A stage is a copy of the model object that keeps only its own parts, under the model's parameter
   names (``layers.3.…``): the ranks' checkpoint shards together are the whole model's, so DCP
   reshards them into any layout and ``python -m utils.parallel.fsdp export`` makes a train.py file.
@@ -52,7 +52,7 @@ TIMED = {"forward_one_chunk": "F", "backward_one_chunk": "B", "backward_weight_o
 
 
 def plan_for(model: nn.Module) -> StagePlan:
-    """The model's stage plan (its row in utils/parallel/plans.py); refused in one line without one."""
+    """The model's stage plan (its plan, in its spec: models/spec.py); refused in one line without one."""
     plan = model_plan(model).stages
     if plan is None:
         raise missing_plan(model, "pipeline (stages)", "--pp 1")

@@ -7,8 +7,8 @@ FSDP2: utils/parallel/fsdp.py.)
 
 Each function takes the model and returns it (modified in place where possible), so a training
 script reads ``model = apply_ac(model, ...); model = apply_compile(model, ...)`` and the model
-code never mentions any of it. The "units" are the model's uniform block lists, named by its row in
-utils/parallel/plans.py: "block" (SwinIR's Swin transformer blocks, the ViT's transformer blocks, the
+code never mentions any of it. The "units" are the model's uniform block lists, named by its plan in
+(its spec: models/spec.py): "block" (SwinIR's Swin transformer blocks, the ViT's transformer blocks, the
 U-Net's levels) or, for SwinIR only, "layer" (every RSTB).
 """
 

@@ -1,7 +1,7 @@
-"""Tensor parallelism with DTensor's ``parallelize_module``; each model's plan is its row in
-utils/parallel/plans.py, not in models/.
+"""Tensor parallelism with DTensor's ``parallelize_module``; each model's plan is in its spec,
+beside the network (models/<name>/spec.py), which knows nothing of it.
 
-SwinIR's plan: see ``plans.swinir_styles`` (window attention by heads, MLP by hidden units, the rest replicated).
+SwinIR's plan: see models/swinir/spec.py's ``swinir_styles`` (window attention by heads, MLP by hidden units, the rest replicated).
 
 The ViT's plan over the "tp" mesh dimension (Megatron's split, plus sequence parallelism):
 

@@ -21,6 +21,7 @@ import psutil
 import torch
 import yaml
 
+from models.spec import built_in_names
 from utils.config import ConfigError
 from utils.observe.flops import gpu_spec_peak_flops, measure_matmul_flops
 
@@ -172,7 +173,7 @@ def this_machine(refresh: bool = False) -> Cluster:
                 "memory_bytes": psutil.virtual_memory().total / processes,
                 "peak_flops": {"fp32": peak, "bf16": peak_bf16}, "intra_bw": busbw, "inter_bw": busbw,
                 "latency_s": latency,
-                "efficiency": {m: dict.fromkeys(PRECISIONS, CPU_EFFICIENCY) for m in ("vit", "swinir", "unet3d")},
+                "efficiency": {m: dict.fromkeys(PRECISIONS, CPU_EFFICIENCY) for m in built_in_names()},
                 "source": f"measured on {cpu_name()}, cached in {_shown(CACHE)}"}
         _write_cache(data)
     return Cluster(**{k: v for k, v in data.items() if k != "measured_efficiency"})

@@ -5,8 +5,8 @@ A :class:`Layout` is the config keys one run sets (``strategy``, ``tp``, ``cp``,
 ``pp_microbatches``, ``ac``, ``amp_dtype``, ``param_dtype``, ``hsdp_replicas``) and the script that runs them.
 :func:`enumerate_layouts` proposes the combinations and keeps those that pass the checks the scripts themselves
 make — the config's validation (heads divisible by tp, ...), which script applies which key
-(``refuse_unapplied``), the meshes (``mp_mesh_layout``, ``fsdp.mesh_shape``), the model's row in
-utils/parallel/plans.py, the bands (``band_rows``, ``band_bounds`` through the memory estimate) and the
+(``refuse_unapplied``), the meshes (``mp_mesh_layout``, ``fsdp.mesh_shape``), the model's plan (its
+spec: models/spec.py), the bands (``band_rows``, ``band_bounds`` through the memory estimate) and the
 pipeline (``check_pipeline``) — called, not copied, so a layout the plan proposes is one the script runs.
 """
 
@@ -90,7 +90,7 @@ meta_model = model_on_meta  # (utils/memory/measure.py: the estimate builds it t
 
 
 def plan_of(cfg: Config) -> ModelPlan:
-    """The model's row of utils/parallel/plans.py."""
+    """The model's plan (its spec: models/spec.py)."""
     return model_plan(meta_model(cfg))
 
 

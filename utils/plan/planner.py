@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from models import fixed_input_size
 from utils.config import Config, ConfigError
 from utils.memory.estimate import GB, MemoryEstimate, estimate_memory
 from utils.memory.measure import build_for_measurement, loss_for, random_batch, time_training_step
@@ -80,7 +81,7 @@ def model_facts(cfg: Config) -> tuple[float, list[int], int]:
     flops = train_flops_per_sample(lambda: meta_model(cfg), (cfg.model.in_chans, *input_size(cfg)))
     grads = [4 * p.numel() for p in meta_model(cfg).parameters() if p.requires_grad][::-1]
     shape = model_shape(cfg.model, cfg.target_chans) if has_description(cfg.model) else None  # (no pipeline without one)
-    units = len(shape.pipeline_units()[0]) if hasattr(shape, "pipeline_units") else 0
+    units = len(shape.pipeline_units()[0]) if shape is not None else 0
     return flops, grads, units
 
 
@@ -186,7 +187,7 @@ def what_would_fit(cfg: Config, cluster: Cluster, nodes: int, rows: list[Row], b
         if bigger and bigger[0].fits:
             fixes.append(f"{nodes * more} nodes ({bigger[0].layout.name()}, {bigger[0].gb:.1f} GB)")
             break
-    if cfg.model.model != "vit" and cfg.data.crop_size:
+    if fixed_input_size(cfg.model) is None and cfg.data.crop_size:
         fixes.append(f"a smaller crop (--crop_size {cfg.data.crop_size // 2})")
     elif cfg.train.batch_size > 1:
         fixes.append(f"a smaller global batch (--batch_size {cfg.train.batch_size // 2})")

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from utils.config import ConfigError
 from utils.memory.measure import model_on_meta
-from utils.memory.shapes import SwinIRShape, ViTShape, has_description, lr_input_size, model_shape
+from utils.memory.shapes import has_description, model_shape
 from utils.parallel.plans import ac_units
 from utils.parallel.pipeline_parallel import bubble_theory
 from utils.plan.clusters import Cluster
@@ -110,8 +110,8 @@ def predict_speed(layout: Layout, cfg, cluster: Cluster, flops_per_sample: float
 
     exposed = exposed_dp
     replica_batch = batch // layout.dp
-    if layout.tp > 1 or layout.cp > 1:
-        exposed += _model_parallel(layout, shape, cfg, replica_batch, act_bytes, inner, lat, terms)
+    if shape is not None and (layout.tp > 1 or layout.cp > 1):
+        exposed += shape.model_parallel_seconds(layout.tp, layout.cp, cfg, replica_batch, act_bytes, inner, lat, terms)
     bubble = 0.0
     if layout.pp > 1:
         # ZB-V's zero bubble assumes equal forward, input- and weight-gradient times (bench_pp.py measured 5-18 % idle
@@ -119,7 +119,7 @@ def predict_speed(layout: Layout, cfg, cluster: Cluster, flops_per_sample: float
         schedule = "interleaved_1f1b" if layout.pp_schedule == "zbv" else layout.pp_schedule
         b = bubble_theory(schedule, layout.pp, layout.pp_microbatches)
         bubble = compute * b / (1 - b)
-        boundary = _boundary_bytes(shape, cfg, layout.micro_batch, act_bytes)
+        boundary = shape.boundary_bytes(cfg, layout.micro_batch, act_bytes) if shape is not None else 0.0
         sends = 2 * (layout.pp - 1) * (boundary / cluster.intra_bw + lat)  # fill and drain, forward and backward
         reduce = ring_allreduce_seconds(grads / layout.pp, layout.dp, dp_bw, lat)
         terms["stage sends"], terms["pipeline gradient all-reduce"] = sends, reduce
@@ -130,53 +130,10 @@ def predict_speed(layout: Layout, cfg, cluster: Cluster, flops_per_sample: float
 
 
 def fsdp_unit_count(cfg, shape) -> int:
-    """FSDP units: the hand-written description's, else the model's own (its row in utils/parallel/plans.py)."""
+    """FSDP units: the hand-written description's, else the model's own (its plan, in its spec: models/spec.py)."""
     if shape is not None:
         return len(shape.fsdp_units(cfg.dist.fsdp_unit))
     try:
         return len(ac_units(model_on_meta(cfg), cfg.dist.fsdp_unit))
     except ConfigError:  # no units: the root alone
         return 1
-
-
-def _model_parallel(layout: Layout, shape, cfg, replica_batch: int, a: int, bw: float, lat: float,
-                    terms: dict) -> float:
-    """Seconds of tensor- and context-parallel collectives per step (never hidden: see the module docstring)."""
-    tp, cp = layout.tp, layout.cp
-    seconds = 0.0
-    if isinstance(shape, ViTShape):
-        tokens = replica_batch * shape.tokens
-        stream = tokens / cp * shape.embed_dim * a  # this cp rank's tokens, gathered over tp
-        if tp > 1:  # sequence parallelism: per block 2 all-gathers + 2 reduce-scatters forward, as many backward
-            terms["tp all-gather/reduce-scatter"] = 8 * shape.depth * ring_allgather_seconds(stream, tp, bw, lat)
-            seconds += terms["tp all-gather/reduce-scatter"]
-        if cp > 1:  # keys and values of all bands gathered forward, their gradients reduce-scattered backward
-            kv = tokens * shape.embed_dim / tp * a
-            field = replica_batch * shape.in_chans * shape.img_size[0] * shape.img_size[1] * 4
-            terms["cp key/value gather"] = 4 * shape.depth * ring_allgather_seconds(kv, cp, bw, lat) \
-                + 2 * ring_allgather_seconds(field, cp, bw, lat)
-            seconds += terms["cp key/value gather"]
-    elif isinstance(shape, SwinIRShape):
-        height, width = lr_input_size(cfg)
-        stream = replica_batch * height * width / cp * shape.embed_dim * a
-        if tp > 1:  # no sequence parallelism: per Swin block 2 all-reduces forward, 2 backward
-            terms["tp all-reduce"] = 4 * shape.num_blocks * ring_allreduce_seconds(stream, tp, bw, lat)
-            seconds += terms["tp all-reduce"]
-        if cp > 1:  # halo rows: 1 per 3x3 convolution, half a window per shifted block, both ways, fwd + bwd
-            row = replica_batch * width * shape.embed_dim * a
-            convs = len(shape.depths) + 2
-            shifted = sum(d // 2 for d in shape.depths)
-            exchanges = 4 * (convs + shifted)
-            terms["cp halo exchange"] = exchanges * lat + 4 * (convs + shifted * shape.window / 2) * row / bw
-            seconds += terms["cp halo exchange"]
-    return seconds
-
-
-def _boundary_bytes(shape, cfg, micro: int, a: int) -> float:
-    """Bytes a stage sends the next one per microbatch: the ViT's tokens, SwinIR's features and its long skip."""
-    if isinstance(shape, ViTShape):
-        return micro * shape.tokens * shape.embed_dim * a
-    if isinstance(shape, SwinIRShape):
-        height, width = lr_input_size(cfg)
-        return 2 * micro * height * width * shape.embed_dim * 4
-    return 0.0

@@ -31,8 +31,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .common import PhysicalUnitsModel, init_transformer_weights
-from .layers import DropPath, Mlp, trunc_normal_
+from models.common import PhysicalUnitsModel, init_transformer_weights
+from models.layers import DropPath, Mlp, trunc_normal_
 
 LAYER_NORM_EPS = 1e-6
 

@@ -39,8 +39,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .common import PhysicalUnitsModel, init_transformer_weights
-from .layers import DropPath, Mlp, trunc_normal_
+from models.common import PhysicalUnitsModel, init_transformer_weights
+from models.layers import DropPath, Mlp, trunc_normal_
 
 # Value the original adds to attention logits between tokens that the cyclic shift brought
 # together from different image regions (kept for bit-compatible results; exp(-100) ~ 4e-44).

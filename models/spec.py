@@ -1,0 +1,164 @@
+"""One description per model, beside the model: what the techniques and the tools need to know of it.
+
+A :class:`ModelSpec` is registered once, where the model is defined: the built-in models from their own folders
+(``models/swinir/spec.py``, ``models/vit/spec.py``, ``models/unet3d/spec.py``), a model of yours from the module
+that ``model_class`` names (imported before anything reads the spec)::
+
+    from models.spec import ModelPlan, ModelSpec, register
+    register(ModelSpec(FNO2d, ModelPlan(units={"block": lambda model: model.blocks()})))
+
+Nothing in ``utils/`` knows a model by its class or its name: the techniques read the spec's plan, the memory
+estimate its memory description (or traces the model), the config checks its ``check``. A model without a spec gets
+the default one: units from its ``blocks()`` if it has that method (the model contract, docs/part4-your-model.md),
+the traced memory estimate, any task but ``volume``.
+
+The plan (:class:`ModelPlan`) says, for each technique (None: the technique refuses the model in one line):
+
+- ``units``: the modules that activation checkpointing, torch.compile and FSDP2 wrap one by one, by unit
+  name ("block": every transformer block or U-Net level; "layer": SwinIR's residual groups, RSTBs).
+- ``tp``: the tensor-parallel plan (DTensor ``ParallelStyle`` per module name, which attention modules
+  hold heads to split, and whether their q, k, v are one fused Linear).
+- ``cp``: what context parallelism splits: "tokens" (the ViT: latitude bands of patch tokens, inside the
+  model) or "fields" (SwinIR: latitude bands of the input field, domain parallelism with halos).
+- ``stages``: where a pipeline may cut the model (the attribute holding its units, what the first stage
+  keeps before them and the last after them).
+
+This module imports nothing from ``utils/`` (the wall of models/): the spec is data the helpers read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+UNITS = ("block", "layer")  # the unit names of the configs' ac and fsdp_unit keys
+TASKS = ("sr", "forecast", "diagnostic")  # what a model trains on unless its spec says otherwise
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Where a model is cut: the attribute holding its units, and what the first and last stages keep."""
+
+    units: str
+    stem: tuple[str, ...]
+    tail: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """How tensor parallelism splits a model (utils/parallel/tensor_parallel.py applies it)."""
+
+    styles: Callable[[Any], dict]
+    """model -> {module name: ParallelStyle} for ``parallelize_module``."""
+    heads: Callable[[Any], list[int]]
+    """The head count of each attention: every one must divide by tp (each rank holds whole heads)."""
+    fused_qkv: Callable[[Any], list[Any]] = lambda model: []
+    """Attention modules whose q, k and v are one Linear: split by rows, then regrouped by heads."""
+    local_output: bool = False
+    """Replicated modules hand plain tensors on (the model's code between layers expects them)."""
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """One model's parallel plan (the module docstring says what each field means); None: the technique refuses it."""
+
+    units: dict[str, Callable[[Any], list[Any]]] = field(default_factory=dict)
+    tp: Optional[TensorParallelPlan] = None
+    cp: Optional[str] = None
+    stages: Optional[StagePlan] = None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the project's tools need of one model class (and its subclasses)."""
+
+    model_class: type
+    """The class the model is (a factory's: what its return annotation names)."""
+    plan: ModelPlan = field(default_factory=ModelPlan)
+    """What the parallel techniques split and wrap."""
+    name: str = ""
+    """A built-in model's name in the configs (``model: swinir``); yours is named in the config."""
+    build: str = ""
+    """A built-in model's ``module:function`` (or Class), called with the config's model keys."""
+    memory: Union[str, type, None] = None
+    """The hand-written memory description (``module:Class``, or the class; utils/memory/shapes.py says what it
+    provides); None: the estimate traces the model (utils/memory/traced.py)."""
+    fixed_input_size: bool = False
+    """The model takes fields of its ``img_size`` and no other (the ViT: its position embedding)."""
+    tasks: tuple[str, ...] = TASKS
+    """The tasks it trains on (utils/tasks.py)."""
+    check: Optional[Callable[[Any], None]] = None
+    """check(cfg): a ValueError, one line with the fix, for model keys that cannot work (a utils.config.Config)."""
+    fresh_caches: Optional[Callable[[], None]] = None
+    """Empties what the model's module caches between calls (a memory measurement starts from nothing)."""
+
+    def memory_description(self) -> Optional[type]:
+        """The memory description's class, imported if it is named by path."""
+        if isinstance(self.memory, str):
+            module, _, name = self.memory.partition(":")
+            return getattr(importlib.import_module(module), name)
+        return self.memory
+
+
+_SPECS: dict[type, ModelSpec] = {}
+_BY_NAME: dict[str, ModelSpec] = {}
+
+
+def register(spec: ModelSpec) -> ModelSpec:
+    """Declare a model's spec (for its class and subclasses); call it beside the model, once."""
+    _SPECS[spec.model_class] = spec
+    if spec.name:
+        _BY_NAME[spec.name] = spec
+    return spec
+
+
+def register_plan(model_class: type, plan: ModelPlan) -> None:
+    """Declare only the plan of ``model_class`` (the rest of its spec stays as it is, or the default's)."""
+    register(dataclasses.replace(class_spec(model_class), model_class=model_class, plan=plan))
+
+
+def class_spec(model_class: type) -> ModelSpec:
+    """The spec registered for the class (or a base class); else the default: units from its ``blocks()``, if any."""
+    for cls in model_class.__mro__:
+        if cls in _SPECS:
+            return _SPECS[cls]
+    if callable(getattr(model_class, "blocks", None)):  # the contract's one optional method, not its internals
+        return ModelSpec(model_class, ModelPlan(units={"block": lambda model: model.blocks()}))
+    return ModelSpec(model_class)
+
+
+def target_spec(target: Callable) -> ModelSpec:
+    """The spec of what ``model_class`` names: a class, or a factory whose return annotation names the class."""
+    if isinstance(target, type):
+        return class_spec(target)
+    returned = typing.get_type_hints(target).get("return")  # models.swinir:build says it returns a SwinIR
+    return class_spec(returned if isinstance(returned, type) else object)
+
+
+def built_in_names() -> list[str]:
+    """The built-in models: the folders of this package (each registers its spec in its ``__init__``)."""
+    return [m.name for m in pkgutil.iter_modules(importlib.import_module("models").__path__) if m.ispkg]
+
+
+def built_in(name: str) -> ModelSpec:
+    """The spec of the built-in model ``name`` (its folder imported: it registers itself)."""
+    importlib.import_module(f"models.{name}")
+    return _BY_NAME[name]
+
+
+def check_heads(cfg) -> None:
+    """The checks of a transformer's depths and num_heads keys (SwinIR's and the ViT's), for their specs."""
+    m = cfg.model
+    if len(m.depths) != len(m.num_heads):
+        raise ValueError(f"depths {m.depths} and num_heads {m.num_heads} must have the same length")
+    if any(v <= 0 for v in m.depths + m.num_heads):
+        raise ValueError(f"depths {m.depths} and num_heads {m.num_heads} must be > 0")
+    if any(m.embed_dim % h for h in m.num_heads):
+        raise ValueError(f"embed_dim {m.embed_dim} must be divisible by every num_heads {m.num_heads}")
+    if [h for h in m.num_heads if h % cfg.dist.tp]:
+        raise ValueError(f"num_heads {m.num_heads} must be divisible by tp {cfg.dist.tp}: each tensor-parallel "
+                         "rank holds whole heads; use a tp that divides every num_heads")
