@@ -10,12 +10,12 @@ It starts --nproc CPU processes itself (gloo; torchrun's variables, so `torchrun
 check_layouts.py ...` works too) and runs every layout the model's plan (utils/parallel/plans.py: model_plan)
 supports — DDP, FSDP and HSDP; where the plan has them, tensor parallel (tp), context parallel (cp), both, and a
 pipeline (pp) with each schedule — through the functions and in the order of its training script
-(utils/plan/equivalence.py). Each trains a copy of the same initial weights for --steps AdamW steps (the
+(utils/layouts/equivalence.py). Each trains a copy of the same initial weights for --steps AdamW steps (the
 config's optimizer, without warm-up) on the same random global batches, shaped as the config's task feeds the
 model (sr: low-res fields in, img_size x upscale out; forecast: img_size fields in and out; volume: crop_size
 cubes); one process trains them too. The table gives, per layout, the largest relative difference from one
 process of the loss, of every gradient (the worst parameter named) and of the weights after the last step, and
-PASS or FAIL against the tolerance (fp32; the numbers and why: utils/plan/equivalence.py, TOLERANCE).
+PASS or FAIL against the tolerance (fp32; the numbers and why: utils/layouts/equivalence.py, TOLERANCE).
 Layouts the plan lacks are listed as such, and a layout its script refuses for this config says why; neither
 fails. --left_out runs each layout that has the piece once more without it, which must FAIL. Exit 0 when every
 layout that ran equals one process (and every one with a piece left out does not), 1 otherwise, 2 on bad input.
@@ -49,8 +49,8 @@ from utils.config import Config, ConfigError, parse_config
 from utils.memory.measure import with_statistics
 from utils.parallel.distributed import cleanup_distributed, init_distributed
 from utils.parallel.plans import model_plan
-from utils.plan.equivalence import LEFT_OUT, TOLERANCE, compare, one_process, run_layout, with_keys
-from utils.plan.layouts import SCHEDULES, Layout
+from utils.layouts.equivalence import LEFT_OUT, TOLERANCE, compare, one_process, run_layout, with_keys
+from utils.layouts.accepted import SCHEDULES, Layout
 from utils.training import build_loss, build_optimizer, run_cli, scaled_lr
 
 TECHNIQUES = ("ddp", "fsdp", "hsdp", "tp", "cp", "pp")
@@ -206,7 +206,7 @@ def check(cfg: Config, args, world: int, say) -> bool:
         say("largest relative difference from one process: max |a - b| / max |b| per tensor (weights: over how far "
             "they moved)")
         say(f"PASS: loss <= {t['loss']:.0e}, gradients <= {t['grads']:.0e}, weights <= {t['weights']:.0e} "
-            "(why: utils/plan/equivalence.py)")
+            "(why: utils/layouts/equivalence.py)")
         say(f"{'layout':<{width}}  {'loss':>7}  {'gradients':>9}  {'weights':>7}  verdict  worst gradient")
     reference = one_process(model, cfg, batches, loss_fn, make_optimizer)
     equal, differ, caught, missed, refused = [], [], [], [], set()

@@ -207,9 +207,9 @@ def layers_figure() -> Figure:
         _arrow(ax, (9.9, y + 0.75), (9.9, y + 0.25))
     ax.text(10.15, height - 1.6, "imports go down only\n(|: side by side,\nneither imports the other)", fontsize=9,
             va="center")
-    _box(ax, 11.6, 1.2, 2.4, 1.4, "models/\nswinir, vit, unet3d\n(import nothing\nfrom utils/)", "#E2F0D9", 9)
+    _box(ax, 11.6, 1.2, 2.4, 1.4, "models/\nspec; swinir/, vit/,\nunet3d/: network\n+ spec (nothing\nfrom utils/)", "#E2F0D9", 9)
     ax.text(5, 0.25, "Checked by `lint-imports` in make test (.importlinter); what is model-specific in a technique is "
-            "the model's plan (utils/parallel/plans.py; yours beside your model).", ha="center", fontsize=9)
+            "the model's spec (models/spec.py; yours beside your model).", ha="center", fontsize=9)
     return fig
 
 

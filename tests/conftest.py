@@ -266,7 +266,7 @@ def run_script(*args: str, timeout: float = 240, env_extra: dict | None = None, 
 
 
 def assert_layout_equal(row: dict) -> None:
-    """A check_layouts.py row (utils.plan.equivalence.Comparison.summary) that passes, and within the tighter limits
+    """A check_layouts.py row (utils.layouts.equivalence.Comparison.summary) that passes, and within the tighter limits
     the built-in models held before the check existed: gradients within 1e-4 of their largest entry."""
     assert row["passed"] and row["grads_differ"] == [] and row["weights_differ"] == [] and not row["missing"], row
     assert row["grad"] < 1e-4 and row["weight"] < 1e-2, row

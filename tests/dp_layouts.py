@@ -1,7 +1,7 @@
 """Run by tests/test_domain_parallel.py as 4 CPU processes (gloo): SwinIR split into latitude bands of the field
 (domain parallelism, train_mp.py --cp for SwinIR) against the same model on one process, step by step.
 
-Each layout goes through check_layouts.py's harness (utils/plan/equivalence.py: train_mp.py's TP -> CP -> AC ->
+Each layout goes through check_layouts.py's harness (utils/layouts/equivalence.py: train_mp.py's TP -> CP -> AC ->
 FSDP2 over dp x cp, the band-weighted loss, STEPS AdamW steps); each step's forward output (the bands put
 together), loss and every gradient, and the weights after the last step, must equal one process's. The fields
 are chosen so that every band boundary crosses a shifted window (window 8, shift 4) and the splits are uneven:
@@ -28,8 +28,8 @@ from models import build_model  # noqa: E402
 from utils.config import build_config  # noqa: E402
 from utils.memory.measure import SavedTensorBytes  # noqa: E402
 from utils.parallel.domain_parallel import band_bounds, gather_bands  # noqa: E402
-from utils.plan.equivalence import adamw, compare, one_process, run_layout  # noqa: E402
-from utils.plan.layouts import Layout  # noqa: E402
+from utils.layouts.equivalence import adamw, compare, one_process, run_layout  # noqa: E402
+from utils.layouts.accepted import Layout  # noqa: E402
 from utils.training import exit_process  # noqa: E402
 
 STEPS = 2

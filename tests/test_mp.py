@@ -4,7 +4,7 @@
   tp2 x cp2 with activation checkpointing) and SwinIR's dp2 x tp2 (SwinIR's cp, its field in bands:
   tests/dp_layouts.py via tests/test_domain_parallel.py),
   step by step: the loss and all gradients of each step and all weights after 3 AdamW steps equal one
-  process (check_layouts.py's harness, utils/plan/equivalence.py, one 4-process launch). The same check run on cp ranks whose
+  process (check_layouts.py's harness, utils/layouts/equivalence.py, one 4-process launch). The same check run on cp ranks whose
   gradients are averaged over dp only (NERSC DL4SCI25's final-norm bug) must fail.
 - train_mp.py end to end: SwinIR's tp 2 reproduces train.py's losses and weights, and its checkpoint
   resumes with each field split into 2 bands (cp 2) to train.py's losses, validation metrics and
@@ -28,7 +28,7 @@ from utils.config import ConfigError, build_config
 from utils.parallel.context_parallel import apply_cp, band_rows
 from utils.parallel.distributed import mp_mesh_layout
 from utils.parallel.tensor_parallel import apply_tp
-from utils.plan.layouts import SCHEDULES
+from utils.layouts.accepted import SCHEDULES
 
 # ------------------------------------------------------------------ every layout, step by step
 

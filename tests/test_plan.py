@@ -28,7 +28,7 @@ from utils.parallel.pipeline_parallel import STAGES_PER_RANK
 from utils.plan import clusters
 from utils.plan.clusters import load_cluster
 from utils.plan.comm import ddp_buckets, predict_step
-from utils.plan.layouts import enumerate_layouts
+from utils.layouts.accepted import enumerate_layouts
 from utils.plan.planner import calibrated, model_facts, plan
 from utils.plan.speed import BACKWARD_SHARE, MiB, predict_speed
 from utils.training import run_cli

@@ -2,7 +2,7 @@
 
 - Every schedule, for SwinIR (4 RSTBs, the long skip passed along) and the ViT (4 blocks), on 2 ranks:
   the loss and all gradients of each step and all weights after 2 AdamW steps equal one process, and the
-  stages together hold every parameter once (check_layouts.py's harness, utils/plan/equivalence.py, one
+  stages together hold every parameter once (check_layouts.py's harness, utils/layouts/equivalence.py, one
   2-process launch). dp 2 x pp 2
   with FSDP2 (+ activation checkpointing) and with replicated ("ddp") pipelines: the same (one
   4-process launch).

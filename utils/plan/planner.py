@@ -1,4 +1,4 @@
-"""The plan: every layout the scripts accept (utils/plan/layouts.py), its memory per GPU (utils/memory/estimate.py)
+"""The plan: every layout the scripts accept (utils/layouts/accepted.py), its memory per GPU (utils/memory/estimate.py)
 and its step (utils/plan/speed.py) on a cluster (utils/plan/clusters.py), ranked; and the command that runs it.
 
 Ranking: layouts that fit first, then by predicted samples/s (within 1 %, the simpler layout first: DDP, FSDP,
@@ -27,7 +27,7 @@ from utils.memory.shapes import has_description, input_size, model_shape
 from utils.memory.traced import CannotTrace, estimate_traced
 from utils.observe.flops import train_flops_per_sample
 from utils.plan.clusters import CPU_EFFICIENCY, THIS_MACHINE, Cluster, measured_efficiency, remember_efficiency
-from utils.plan.layouts import Layout, enumerate_layouts, meta_model
+from utils.layouts.accepted import Layout, enumerate_layouts, meta_model
 from utils.plan.speed import AC_RECOMPUTE, Speed, predict_speed
 
 USABLE = 0.95  # of a GPU's memory; the rest for what the estimate leaves out (see the module docstring)

@@ -33,7 +33,7 @@ from utils.parallel.plans import ac_units
 from utils.parallel.pipeline_parallel import bubble_theory
 from utils.plan.clusters import Cluster
 from utils.plan.comm import ddp_buckets, node_busbw, predict_step, ring_allgather_seconds, ring_allreduce_seconds
-from utils.plan.layouts import PRECISIONS, Layout
+from utils.layouts.accepted import PRECISIONS, Layout
 
 MiB = 2**20
 AC_RECOMPUTE = 4 / 3  # a step is ~3 forwards of FLOPs (forward + backward twice its size); AC adds one forward

@@ -1,6 +1,6 @@
 """Does a layout train as one device does? The check of check_layouts.py and of the equivalence tests.
 
-A layout (:class:`utils.plan.layouts.Layout`: DDP, FSDP, HSDP, tensor and context parallelism on train_mp.py's
+A layout (:class:`utils.layouts.accepted.Layout`: DDP, FSDP, HSDP, tensor and context parallelism on train_mp.py's
 mesh, a pipeline schedule on train_pp.py's) is applied to a copy of a model as its script applies it — the same
 functions of utils/parallel, in the same order: tensor parallel -> context parallel -> activation checkpointing ->
 compile -> FSDP2 or DDP (a pipeline: cut into stages, then AC, compile and data parallelism on each stage) — and
@@ -39,7 +39,7 @@ from utils.parallel.fsdp import apply_fsdp
 from utils.parallel.pipeline_parallel import Pipeline, apply_data_parallel
 from utils.parallel.techniques import apply_ac, apply_compile, apply_ddp
 from utils.parallel.tensor_parallel import apply_tp
-from utils.plan.layouts import Layout, layout_config
+from utils.layouts.accepted import Layout, layout_config
 from utils.precision import autocast
 
 TOLERANCE = {"loss": 1e-5, "grads": 1e-3, "weights": 5e-2}
