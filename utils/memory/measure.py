@@ -166,22 +166,18 @@ def trace_saved_activations(model: nn.Module, lr_shape: tuple[int, ...], amp_dty
     model's CPU/CUDA branches, checkpoint hooks — so autograd saves the same tensors, with no data.
     """
     model.train()
-    scale = getattr(model, "upscale", 1) if getattr(model, "upsampler", "") else 1
-    hr_shape = (*lr_shape[:-2], lr_shape[-2] * scale, lr_shape[-1] * scale)
-    if hasattr(model, "out_chans"):  # the U-Net: other channels out than in
-        hr_shape = (lr_shape[0], model.out_chans, *lr_shape[2:])
     with fresh_model_caches(model), FakeTensorMode(allow_non_fake_inputs=True) as mode:
         state = {}
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             fake = mode.from_tensor(tensor)
             state[name] = fake.requires_grad_(tensor.requires_grad) if tensor.is_floating_point() else fake
         lr = torch.empty(lr_shape, device=device)
-        hr = torch.empty(hr_shape, device=device)
         counter = SavedTensorBytes(exclude=state.values())
         with counter:
             with autocast(lr.device, amp_dtype):
                 pred = functional_call(model, state, (lr,))
-            _loss_fn(loss)(pred.float(), hr)
+            target = torch.empty(pred.shape, device=device)  # the loss takes a target of the prediction's shape
+            _loss_fn(loss)(pred.float(), target)
     return counter
 
 
