@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import parametrize
 
-from .spec import ModelSpec, target_spec
+from .spec import ModelSpec, built_in, built_in_names, target_spec
 
 # The built-in models (models/<name>/: the network and its spec) are imported where a config names them, not here:
 # their specs' memory descriptions use the helpers of utils/, which import this module.
@@ -179,6 +179,8 @@ def _shown(kwargs: dict) -> str:
 def config_spec(cfg) -> ModelSpec:
     """The spec (models/spec.py) of the model a config's model section builds: its module imported, as
     :func:`build_model` imports it, so that the spec registered beside the model is found."""
+    if not cfg.model_class:  # a config not yet validated (validation fills in a built-in model's model_class)
+        return built_in(cfg.model) if cfg.model in built_in_names() else ModelSpec(object)
     return target_spec(load_model_class(cfg.model_class, cfg.model_path))
 
 

@@ -128,7 +128,7 @@ class MemoryDescription:
 def has_description(model_cfg) -> bool:
     """Whether the config's model has a hand-written description (else the estimate traces it:
     utils/memory/traced.py)."""
-    return getattr(model_cfg, "model_class", "") != "" and config_spec(model_cfg).memory is not None
+    return config_spec(model_cfg).memory is not None
 
 
 def model_shape(model_cfg, target_chans: Optional[int] = None) -> MemoryDescription:
