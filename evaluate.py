@@ -27,7 +27,7 @@ from typing import Optional
 
 import numpy as np
 
-from utils.checkpoint import replaced_atomically, reporting_write_failures
+from utils.checkpoint.files import replaced_atomically, reporting_write_failures
 from utils.cli import OneLineParser
 from utils.data.common import DataError
 from utils.predict.scores import (BASELINES, MONTHS, evaluate, grid_of, index_in, lead_times, scored_pairs,

@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from utils.checkpoint import reporting_write_failures
+from utils.checkpoint.files import barrier, reporting_write_failures
+from utils.checkpoint.reading import read_checkpoint
 from utils.cli import OneLineParser
 from utils.config import ConfigError
 from utils.data.common import DataError
@@ -51,11 +52,10 @@ from utils.memory.estimate import GB
 from utils.memory.traced import CannotTrace, trace_inference
 from utils.observe.pictures import save_diagnostic_png, save_forecast_png, save_sample_png, save_volume_png
 from utils.observe.scores import bicubic_upsample
-from utils.parallel.distributed import barrier, cleanup_distributed, init_distributed, read_dist_env
+from utils.parallel.distributed import cleanup_distributed, init_distributed, read_dist_env
 from utils.precision import AMP_DTYPES, autocast
-from utils.predict.checkpoints import config_from_checkpoint, load_model, output_shape, read_checkpoint
-from utils.predict.inputs import (Boxes, CoarseFields, Inputs, SplitFields, hours_to_delta, select,
-                                  shown)
+from utils.predict.inputs import Boxes, CoarseFields, Inputs, SplitFields, hours_to_delta, select, shown
+from utils.predict.model import config_from_checkpoint, load_model, output_shape
 from utils.predict.store import Layout, Store, channel_values, output_format, xarray
 from utils.predict.tiles import DEFAULT_OVERLAP, tile_spans, tiled
 from utils.stopping import EXIT_STOPPED, StopRequest, heartbeat, stop_watching

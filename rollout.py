@@ -31,7 +31,8 @@ import torch
 from torch.utils.data import Subset
 
 from models import fixed_input_size
-from utils.checkpoint import ensure_writable_dir, replaced_atomically, reporting_write_failures
+from utils.checkpoint.files import ensure_writable_dir, replaced_atomically, reporting_write_failures
+from utils.checkpoint.reading import read_checkpoint
 from utils.cli import OneLineParser
 from utils.config import Config, ConfigError
 from utils.data.common import DataError, evenly_spaced
@@ -39,7 +40,7 @@ from utils.data.era5 import ERA5Dataset
 from utils.data.files import scan_split, split_step
 from utils.observe.logger import json_safe
 from utils.precision import autocast
-from utils.predict.checkpoints import config_from_checkpoint, load_model, read_checkpoint
+from utils.predict.model import config_from_checkpoint, load_model
 from utils.tasks import Forecast, build_task
 from utils.training import configure_backends, pick_device, run_cli
 

@@ -20,7 +20,9 @@ import torch
 from tqdm import tqdm
 
 from models import build_model, on_meta
-from utils.checkpoint import TrainState, load_checkpoint, load_newest, prepare_run_dir, save_checkpoint
+from utils.checkpoint.files import load_newest, prepare_run_dir
+from utils.checkpoint.single import load_checkpoint, save_checkpoint
+from utils.checkpoint.state import TrainState
 from utils.config import parse_config
 from utils.data import build_loaders
 from utils.observe.flops import device_peak_flops, mfu, peak_memory_gb, reset_peak_memory, train_flops_per_sample

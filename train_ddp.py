@@ -21,12 +21,14 @@ import torch
 from tqdm import tqdm
 
 from models import build_model, on_meta
-from utils.checkpoint import TrainState, load_checkpoint, load_newest, prepare_run_dir, save_checkpoint
+from utils.checkpoint.files import barrier, load_newest, prepare_run_dir
+from utils.checkpoint.single import load_checkpoint, save_checkpoint
+from utils.checkpoint.state import TrainState
 from utils.config import parse_config
 from utils.data import build_loaders
 from utils.observe.flops import device_peak_flops, mfu, peak_memory_gb, reset_peak_memory, train_flops_per_sample
 from utils.observe.logger import MetricsLogger
-from utils.parallel.distributed import all_reduce_max, all_reduce_mean, barrier, cleanup_distributed, init_distributed
+from utils.parallel.distributed import all_reduce_max, all_reduce_mean, cleanup_distributed, init_distributed
 from utils.parallel.techniques import apply_ac, apply_compile, apply_ddp
 from utils.precision import autocast, make_grad_scaler
 from utils.stopping import StopRequest

@@ -4,7 +4,7 @@ Each rank keeps 1/world_size of every parameter, gradient and AdamW state (DDP: 
 all-gathers one block (Swin or ViT block; an RSTB with --fsdp_unit layer) just before it runs.
 --hsdp_replicas N shards within groups and replicates across N of them (HSDP: one group per node); --param_dtype bf16
 computes in bf16 with fp32 master weights. Checkpoints are sharded torch.distributed.checkpoint
-folders that resume on any number of ranks; `python -m utils.parallel.fsdp export` makes a train.py file.
+folders that resume on any number of ranks; `python -m utils.checkpoint.sharded export` makes a train.py file.
 
 Launch (torchrun starts one process per GPU and sets RANK, LOCAL_RANK, WORLD_SIZE):
     torchrun --nproc-per-node 4 train_fsdp.py --config baseline --param_dtype bf16   # one node, 4 GPUs
@@ -20,14 +20,16 @@ import torch
 from tqdm import tqdm
 
 from models import build_model, on_meta
-from utils.checkpoint import TrainState, load_newest, prepare_run_dir
+from utils.checkpoint.files import load_newest, prepare_run_dir
+from utils.checkpoint.sharded import (finish_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint,
+                                      sharded_payload)
+from utils.checkpoint.state import TrainState
 from utils.config import parse_config
 from utils.data import build_loaders
 from utils.observe.flops import device_peak_flops, mfu, peak_memory_gb, reset_peak_memory, train_flops_per_sample
 from utils.observe.logger import MetricsLogger
 from utils.parallel.distributed import all_reduce_max, all_reduce_mean, cleanup_distributed, init_distributed
-from utils.parallel.fsdp import (apply_fsdp, finish_sharded_checkpoint, load_sharded_checkpoint, memory_record,
-                                 save_sharded_checkpoint, sharded_payload)
+from utils.parallel.fsdp import apply_fsdp, memory_record
 from utils.parallel.techniques import apply_ac, apply_compile
 from utils.precision import autocast, make_grad_scaler
 from utils.stopping import StopRequest

@@ -9,7 +9,7 @@ The tp x cp ranks of a model replica read the same batch; FSDP2 shards over the 
 cp folded in, so every gradient is averaged over dp x cp. Every layout trains as one device does
 (tests/test_mp.py, tests/test_domain_parallel.py).
 Checkpoints are DCP folders, as train_fsdp.py's: they resume under any layout, and
-`python -m utils.parallel.fsdp export` makes a train.py file.
+`python -m utils.checkpoint.sharded export` makes a train.py file.
 
 Launch (torchrun starts one process per GPU and sets RANK, LOCAL_RANK, WORLD_SIZE):
     torchrun --nproc-per-node 4 train_mp.py --config vit_mp --tp 4                  # one node: 4-way TP
@@ -28,7 +28,10 @@ import torch
 from tqdm import tqdm
 
 from models import build_model, on_meta
-from utils.checkpoint import TrainState, load_newest, prepare_run_dir
+from utils.checkpoint.files import load_newest, prepare_run_dir
+from utils.checkpoint.sharded import (finish_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint,
+                                      sharded_payload)
+from utils.checkpoint.state import TrainState
 from utils.config import parse_config
 from utils.data import build_loaders
 from utils.memory.measure import SavedTensorBytes
@@ -38,8 +41,7 @@ from utils.parallel.context_parallel import apply_cp
 from utils.parallel.distributed import (all_reduce_max, all_reduce_mean, build_mp_mesh, cleanup_distributed,
                                         init_distributed)
 from utils.parallel.domain_parallel import band_loss, field_bands
-from utils.parallel.fsdp import (apply_fsdp, finish_sharded_checkpoint, load_sharded_checkpoint, memory_record,
-                                 save_sharded_checkpoint, sharded_payload)
+from utils.parallel.fsdp import apply_fsdp, memory_record
 from utils.parallel.techniques import apply_ac, apply_compile
 from utils.parallel.tensor_parallel import apply_tp
 from utils.precision import autocast, make_grad_scaler

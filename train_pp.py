@@ -8,7 +8,7 @@ Only the activations at stage boundaries travel between ranks. The pp ranks of a
 same batch; pipelines are data-parallel with FSDP2 (--pp_dp fsdp, sharded) or replicated as DDP does
 (--pp_dp ddp). Every schedule trains as one device does (tests/test_pp.py); the log reports each rank's
 measured bubble next to the theory. Checkpoints are DCP folders, as train_fsdp.py's: they resume under
-any layout, and `python -m utils.parallel.fsdp export` makes a train.py file.
+any layout, and `python -m utils.checkpoint.sharded export` makes a train.py file.
 
 Launch (torchrun starts one process per GPU and sets RANK, LOCAL_RANK, WORLD_SIZE):
     torchrun --nproc-per-node 4 train_pp.py --config baseline --pp 4 --pp_microbatches 8    # one node: 4 stages
@@ -25,7 +25,9 @@ import torch
 from tqdm import tqdm
 
 from models import build_model, on_meta
-from utils.checkpoint import TrainState, load_newest, prepare_run_dir
+from utils.checkpoint.files import load_newest, prepare_run_dir
+from utils.checkpoint.sharded import finish_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
+from utils.checkpoint.state import TrainState
 from utils.config import parse_config
 from utils.data import build_loaders
 from utils.memory.measure import SavedTensorBytes
@@ -33,8 +35,7 @@ from utils.observe.flops import device_peak_flops, mfu, peak_memory_gb, reset_pe
 from utils.observe.logger import MetricsLogger
 from utils.parallel.distributed import (all_reduce_max, all_reduce_mean, build_pp_mesh, cleanup_distributed,
                                         init_distributed)
-from utils.parallel.fsdp import (finish_sharded_checkpoint, load_sharded_checkpoint, memory_record,
-                                 save_sharded_checkpoint)
+from utils.parallel.fsdp import memory_record
 from utils.parallel.pipeline_parallel import Pipeline, apply_data_parallel, bubble_report
 from utils.parallel.techniques import apply_ac, apply_compile
 from utils.precision import make_grad_scaler

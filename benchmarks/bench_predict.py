@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_model import cpu_description  # noqa: E402
 
 import predict  # noqa: E402
-from utils.predict.checkpoints import config_from_checkpoint, load_model, read_checkpoint  # noqa: E402
+from utils.checkpoint.reading import read_checkpoint  # noqa: E402
+from utils.predict.model import config_from_checkpoint, load_model  # noqa: E402
 from utils.training import pick_device, run_cli  # noqa: E402
 
 

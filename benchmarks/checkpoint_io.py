@@ -6,7 +6,7 @@
 
 For each model size the model (fp32, on the CPU) and an AdamW optimizer with its state (one step on
 random gradients, so exp_avg/exp_avg_sq hold data, as in training) are written --repeats times as
-  single: the one-file checkpoint of train.py / train_ddp.py (utils.checkpoint.save_checkpoint), and
+  single: the one-file checkpoint of train.py / train_ddp.py (utils.checkpoint.single.save_checkpoint), and
   dcp:    the DCP folder of train_fsdp.py / train_mp.py / train_pp.py (save_sharded_checkpoint, one rank),
   dcp async: the same with --ckpt_async (dcp.async_save): only the time until the training step may go on,
 and the single-file checkpoint is written once more by ``dd if=CHECKPOINT ... conv=fsync``: the same bytes
@@ -36,9 +36,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from models import build_model  # noqa: E402
-from utils.checkpoint import TrainState, save_checkpoint  # noqa: E402
+from utils.checkpoint.sharded import finish_sharded_checkpoint, save_sharded_checkpoint, sharded_payload  # noqa: E402
+from utils.checkpoint.single import save_checkpoint  # noqa: E402
+from utils.checkpoint.state import TrainState  # noqa: E402
 from utils.config import build_config  # noqa: E402
-from utils.parallel.fsdp import finish_sharded_checkpoint, save_sharded_checkpoint, sharded_payload  # noqa: E402
 from utils.precision import make_grad_scaler  # noqa: E402
 from utils.training import checkpoint_payload, exit_process  # noqa: E402
 

@@ -57,7 +57,7 @@ from typing import Optional
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from utils.checkpoint import replaced_atomically, reporting_write_failures  # noqa: E402
+from utils.checkpoint.files import replaced_atomically, reporting_write_failures  # noqa: E402
 from utils.config import build_config  # noqa: E402
 from utils.memory.estimate import GB, estimate_memory  # noqa: E402
 from utils.memory.measure import (build_for_measurement, loss_for, measure_config, measure_peak,  # noqa: E402

@@ -217,7 +217,8 @@ def run_channel_names(metrics: Path) -> list[str]:
     """The channel names in the config of the run's latest checkpoint (metrics.jsonl does not repeat them)."""
     sys.path.insert(0, str(DOCS.parent))
     try:
-        from utils.checkpoint import latest_checkpoint, load_checkpoint
+        from utils.checkpoint.files import latest_checkpoint
+        from utils.checkpoint.single import load_checkpoint
 
         newest = latest_checkpoint(metrics.parent / "checkpoints")
         return list(load_checkpoint(newest)["config"].get("channel_names") or []) if newest else []

@@ -19,7 +19,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from utils.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
+from utils.checkpoint.files import latest_checkpoint  # noqa: E402
+from utils.checkpoint.single import load_checkpoint  # noqa: E402
 from utils.parallel.distributed import cleanup_distributed  # noqa: E402
 
 def pytest_configure(config):
@@ -187,9 +188,10 @@ def as_dcp_checkpoint(checkpoint: Path, ckpt_dir: Path) -> Path:
     import torch.distributed as dist
 
     from models import build_model
-    from utils.checkpoint import TrainState
+    from utils.checkpoint.sharded import save_sharded_checkpoint, sharded_payload
+    from utils.checkpoint.state import TrainState
     from utils.config import build_config
-    from utils.parallel.fsdp import apply_fsdp, save_sharded_checkpoint, sharded_payload
+    from utils.parallel.fsdp import apply_fsdp
     from utils.precision import make_grad_scaler
     from utils.training import build_optimizer
 

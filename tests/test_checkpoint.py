@@ -1,4 +1,4 @@
-"""utils/checkpoint.py: atomic saves that survive a crash, pruning, ordering, corruption, RNG, key names."""
+"""utils/checkpoint/: atomic saves that survive a crash, pruning, ordering, corruption, RNG, key names."""
 
 import os
 import random
@@ -12,10 +12,11 @@ import pytest
 import torch
 from torch.distributed.checkpoint import load as dcp_load
 
-from utils import checkpoint as ckpt
-from utils.checkpoint import (CheckpointError, capture_rng_state, ensure_writable_dir, latest_checkpoint,
-                              load_checkpoint, restore_rng_state, save_checkpoint, strip_wrapper_prefixes)
-from utils.parallel.fsdp import save_sharded_checkpoint
+from utils.checkpoint import files, single
+from utils.checkpoint.files import CheckpointError, ensure_writable_dir, latest_checkpoint
+from utils.checkpoint.sharded import save_sharded_checkpoint
+from utils.checkpoint.single import load_checkpoint, save_checkpoint
+from utils.checkpoint.state import capture_rng_state, restore_rng_state, strip_wrapper_prefixes
 
 
 def small_state(value: float) -> dict:
@@ -40,7 +41,7 @@ def test_written_files_get_the_umask_permissions_not_private_ones(tmp_path):
     old = os.umask(0o027)
     try:
         path = save_checkpoint(tmp_path / "ckpt", 1, small_state(1.0))
-        with ckpt.replaced_atomically(tmp_path / "picture.png") as temporary:
+        with files.replaced_atomically(tmp_path / "picture.png") as temporary:
             temporary.write_bytes(b"png")
     finally:
         os.umask(old)
@@ -58,18 +59,18 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch, failing
             stream.write(b"PK\x03\x04 half a zip file")  # some bytes reach the disk before the crash
             raise OSError(28, "No space left on device")
 
-        monkeypatch.setattr(ckpt.torch, "save", crashing_save)
+        monkeypatch.setattr(single.torch, "save", crashing_save)
     elif failing == "os.replace":
         def crashing_replace(src, dst):
             raise OSError(5, "Input/output error")
 
-        monkeypatch.setattr(ckpt.os, "replace", crashing_replace)
+        monkeypatch.setattr(files.os, "replace", crashing_replace)
     else:
         def interrupted_save(obj, stream, *args, **kwargs):
             stream.write(b"partial")
             raise KeyboardInterrupt
 
-        monkeypatch.setattr(ckpt.torch, "save", interrupted_save)
+        monkeypatch.setattr(single.torch, "save", interrupted_save)
 
     expected = KeyboardInterrupt if failing == "keyboard interrupt" else CheckpointError
     with pytest.raises(expected):
@@ -84,15 +85,15 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch, failing
 KILLED_MID_SAVE = """
 import os, signal, sys, torch
 sys.path.insert(0, sys.argv[2])
-from utils import checkpoint
+from utils.checkpoint import single
 
 def save_then_die(obj, stream, *args, **kwargs):
     stream.write(b"PK\\x03\\x04 the first bytes of a zip")
     stream.flush()
     os.kill(os.getpid(), signal.SIGKILL)  # no except/finally runs, as with a SLURM time-out or OOM kill
 
-checkpoint.torch.save = save_then_die
-checkpoint.save_checkpoint(sys.argv[1], 2, {"weights": torch.zeros(4)})
+single.torch.save = save_then_die
+single.save_checkpoint(sys.argv[1], 2, {"weights": torch.zeros(4)})
 """
 
 
@@ -103,7 +104,7 @@ def test_process_killed_mid_save_keeps_previous_checkpoint(tmp_path):
     proc = subprocess.run([sys.executable, "-c", KILLED_MID_SAVE, str(directory), str(repo)], timeout=120)
     assert proc.returncode == -signal.SIGKILL
     assert step_files(directory) == ["step_00000001.pt"]  # the partial file never got a step_ name
-    assert any(name.startswith(ckpt.TEMP_PREFIX) for name in os.listdir(directory))  # the half-written file
+    assert any(name.startswith(files.TEMP_PREFIX) for name in os.listdir(directory))  # the half-written file
     assert torch.equal(load_checkpoint(latest_checkpoint(directory))["weights"], torch.full((4, 4), 1.0))
     save_checkpoint(directory, 2, small_state(2.0))
     assert sorted(os.listdir(directory)) == ["step_00000001.pt", "step_00000002.pt"]  # temp file cleaned
@@ -112,7 +113,7 @@ def test_process_killed_mid_save_keeps_previous_checkpoint(tmp_path):
 KILLED_MID_SHARDED_SAVE = """
 import os, signal, sys, torch
 sys.path.insert(0, sys.argv[2])
-from utils.parallel import fsdp
+from utils.checkpoint import sharded
 
 def write_a_shard_then_die(payload, checkpoint_id):
     os.makedirs(checkpoint_id, exist_ok=True)
@@ -120,8 +121,8 @@ def write_a_shard_then_die(payload, checkpoint_id):
         shard.write(b"the first bytes of rank 0's shard")
     os.kill(os.getpid(), signal.SIGKILL)
 
-fsdp.dcp.save = write_a_shard_then_die
-fsdp.save_sharded_checkpoint(sys.argv[1], 2, {"weights": torch.zeros(4)})
+sharded.dcp.save = write_a_shard_then_die
+sharded.save_sharded_checkpoint(sys.argv[1], 2, {"weights": torch.zeros(4)})
 """
 
 
@@ -134,8 +135,8 @@ def test_process_killed_mid_sharded_save_keeps_previous_checkpoint(tmp_path):
     repo = Path(__file__).resolve().parent.parent
     proc = subprocess.run([sys.executable, "-c", KILLED_MID_SHARDED_SAVE, str(directory), str(repo)], timeout=120)
     assert proc.returncode == -signal.SIGKILL
-    assert sorted(os.listdir(directory)) == [f"{ckpt.TEMP_PREFIX}00000002", "step_00000001"]
-    resumed = ckpt.checkpoint_to_resume(directory, "auto", sharded=True)
+    assert sorted(os.listdir(directory)) == [f"{files.TEMP_PREFIX}00000002", "step_00000001"]
+    resumed = files.checkpoint_to_resume(directory, "auto", sharded=True)
     state = {"weights": torch.zeros(4)}
     dcp_load(state, checkpoint_id=resumed)
     assert resumed.name == "step_00000001" and torch.equal(state["weights"], torch.ones(4))
@@ -144,7 +145,7 @@ def test_process_killed_mid_sharded_save_keeps_previous_checkpoint(tmp_path):
 
 
 def test_write_failure_message_is_one_line(tmp_path, monkeypatch):
-    monkeypatch.setattr(ckpt.os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    monkeypatch.setattr(files.os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(28, "No space left on device")))
     with pytest.raises(CheckpointError, match=r"No space left on device.*no checkpoint was saved yet") as info:
         save_checkpoint(tmp_path, 3, small_state(3.0))
     assert "\n" not in str(info.value)
@@ -152,7 +153,7 @@ def test_write_failure_message_is_one_line(tmp_path, monkeypatch):
 
 def test_stale_temp_files_are_ignored_and_cleaned(tmp_path):
     save_checkpoint(tmp_path, 5, small_state(5.0))
-    stale = tmp_path / f"{ckpt.TEMP_PREFIX}00000009-abc.pt"  # left by a job killed while writing step 9
+    stale = tmp_path / f"{files.TEMP_PREFIX}00000009-abc.pt"  # left by a job killed while writing step 9
     stale.write_bytes(b"half written")
     assert latest_checkpoint(tmp_path).name == "step_00000005.pt"
     save_checkpoint(tmp_path, 6, small_state(6.0))
@@ -297,7 +298,7 @@ def test_ensure_writable_dir_read_only(tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(ckpt.tempfile, "NamedTemporaryFile", refuse)
+    monkeypatch.setattr(files.tempfile, "NamedTemporaryFile", refuse)
     with pytest.raises(CheckpointError, match=r"is not writable \(Permission denied\): choose another with --run_dir"):
         ensure_writable_dir(tmp_path)
 

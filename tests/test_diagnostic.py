@@ -9,13 +9,14 @@ import torch
 import evaluate
 import predict
 from tests.conftest import VIT_MODEL, assert_layout_equal, check_layouts, final_weights, read_metrics, run_script
+from utils.checkpoint.reading import read_checkpoint
 from utils.config import ConfigError, build_config
 from utils.data.era5 import channel_sets
 from utils.data.files import scan_split
-from utils.predict.checkpoints import config_from_checkpoint, load_model, read_checkpoint
-from utils.predict.store import xarray
 from utils.memory.estimate import estimate_memory
 from utils.memory.measure import measure_config
+from utils.predict.model import config_from_checkpoint, load_model
+from utils.predict.store import xarray
 from utils.tasks import LinearBaseline
 from utils.training import build_loss
 

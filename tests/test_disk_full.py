@@ -24,8 +24,8 @@ from tests.conftest import REPO, read_metrics, tiny_args
 from tests.test_ddp import TORCHRUN
 from tests.test_train import expect_error_in_process
 from utils import training
-from utils.checkpoint import (CheckpointError, StorageError, latest_checkpoint, prepare_run_dir, save_checkpoint,
-                              write_failure)
+from utils.checkpoint.files import CheckpointError, StorageError, latest_checkpoint, prepare_run_dir, write_failure
+from utils.checkpoint.single import save_checkpoint
 
 
 class SmallDisk:
@@ -224,7 +224,7 @@ def one_rank():
 
 
 def test_sharded_checkpoint_on_a_full_disk(one_rank, small_disk):
-    from utils.parallel.fsdp import save_sharded_checkpoint
+    from utils.checkpoint.sharded import save_sharded_checkpoint
 
     disk = small_disk(1_000_000)
     ckpts = disk.root / "run" / "checkpoints"

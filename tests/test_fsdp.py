@@ -16,7 +16,7 @@ from tests.conftest import REFERENCE_STEPS as STEPS
 from tests.conftest import TINY_MODEL, read_metrics, resume_from, run_script, tiny_args, weights_at
 from tests.plan_memory import assert_within
 from tests.test_ddp import assert_same_weights, launch_beside_reference, train_losses
-from utils.checkpoint import CheckpointError
+from utils.checkpoint.files import CheckpointError
 from utils.config import ConfigError, build_config
 
 
@@ -26,7 +26,7 @@ def ckpt(run_dir, step: int):
 
 def exported(run_dir, step: int) -> dict:
     """The DCP checkpoint of ``step`` as a train.py payload, exported in this (single) process."""
-    from utils.parallel.fsdp import export_full_state_dict
+    from utils.checkpoint.sharded import export_full_state_dict
 
     out = run_dir / "exported" / f"step_{step}.pt"
     if not out.exists():
@@ -243,7 +243,8 @@ def test_memory_record_predicts_adamw_state(one_rank):
 
 
 def test_checkpoints_are_complete_or_ignored(one_rank, tmp_path):
-    from utils.parallel.fsdp import latest_sharded_checkpoint, save_sharded_checkpoint
+    from utils.checkpoint.files import latest_sharded_checkpoint
+    from utils.checkpoint.sharded import save_sharded_checkpoint
 
     ckpt_dir = tmp_path / "checkpoints"
     assert latest_sharded_checkpoint(ckpt_dir) is None
@@ -260,7 +261,8 @@ def test_checkpoints_are_complete_or_ignored(one_rank, tmp_path):
 
 
 def test_an_asynchronous_save_holds_the_step_it_names(one_rank, tmp_path):
-    from utils.parallel.fsdp import finish_sharded_checkpoint, latest_sharded_checkpoint, save_sharded_checkpoint
+    from utils.checkpoint.files import latest_sharded_checkpoint
+    from utils.checkpoint.sharded import finish_sharded_checkpoint, save_sharded_checkpoint
 
     ckpt_dir, weights = tmp_path / "checkpoints", torch.arange(100_000, dtype=torch.float32)
     save_sharded_checkpoint(ckpt_dir, 1, {"w": weights}, asynchronous=True)
@@ -276,7 +278,8 @@ def test_an_asynchronous_save_holds_the_step_it_names(one_rank, tmp_path):
 
 
 def test_single_file_checkpoints_and_bad_export_are_one_line_errors(tmp_path, capsys):
-    from utils.parallel.fsdp import latest_sharded_checkpoint, main
+    from utils.checkpoint.files import latest_sharded_checkpoint
+    from utils.checkpoint.sharded import main
 
     ckpt_dir = tmp_path / "checkpoints"
     ckpt_dir.mkdir()

@@ -26,9 +26,10 @@ import predict
 import rollout
 from tests.conftest import REPO, as_dcp_checkpoint, run_script
 from tests.test_train import expect_error_in_process
+from utils.checkpoint.reading import read_checkpoint
 from utils.data.era5 import bicubic_downsample
 from utils.memory.measure import measure_peak
-from utils.predict.checkpoints import config_from_checkpoint, load_model, read_checkpoint
+from utils.predict.model import config_from_checkpoint, load_model
 from utils.predict.store import Store, channel_values
 from utils.tasks import build_task
 

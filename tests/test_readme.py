@@ -78,8 +78,10 @@ CPU_RUN = {
         "--log_every 1 --data_dir {ws}/datasets/synthetic_small",
     "torchrun --standalone --nproc-per-node 2 train_fsdp.py --config quickstart --run_dir runs/quickstart_fsdp":
         "... --max_steps 2 --val_every 2 --val_samples 2",
-    "python -m utils.parallel.fsdp export runs/quickstart_fsdp/checkpoints/step_00001200 runs/quickstart_fsdp/step_1200.pt":
-        "python -m utils.parallel.fsdp export runs/quickstart_fsdp/checkpoints/step_00000002 runs/quickstart_fsdp/step_2.pt",
+    "python -m utils.checkpoint.sharded export runs/quickstart_fsdp/checkpoints/step_00001200 "
+    "runs/quickstart_fsdp/step_1200.pt":
+        "python -m utils.checkpoint.sharded export runs/quickstart_fsdp/checkpoints/step_00000002 "
+        "runs/quickstart_fsdp/step_2.pt",
     # docs/performance.md: 1 and 2 ranks of the tiny SwinIR, one timed step per variant
     "python benchmarks/scaling.py --sizes 1 2 4 --steps 3 --bucket-caps 0.01 0.05 -- --config quickstart":
         "python benchmarks/scaling.py --sizes 1 2 --steps 1 --rounds 1 --bucket-caps 0.01 0.05 --out {ws}/runs/scaling "
@@ -496,7 +498,7 @@ def test_setup_command_is_known(command):
 # Cluster lines: parse the arguments of the project script they start, count the ranks they start.
 @dataclass
 class Launch:
-    script: str  # train.py, comm_check.py, -m utils.parallel.fsdp, ...
+    script: str  # train.py, comm_check.py, -m utils.checkpoint.sharded, ...
     args: list[str]
     ranks: int
 

@@ -19,7 +19,7 @@ from models import build_model
 from tests.conftest import as_dcp_checkpoint, read_metrics, run_script
 from tests.test_forecast import H_STORED, NAMES, W, write_nersc_layout
 from tests.test_train import check_error, expect_error_in_process
-from utils.checkpoint import load_checkpoint
+from utils.checkpoint.single import load_checkpoint
 from utils.config import build_config
 from utils.observe.scores import latitude_weights
 

@@ -167,7 +167,7 @@ def test_train_py_on_a_dcp_run_says_which_scripts_wrote_it_and_how_to_continue(t
         proc = run_script("train.py", *args, "--resume", resume, in_process=True, check=False)
         check_error(proc.returncode, proc.stderr, 2, "holds DCP checkpoint folders (step_00000001), which "
                     "train_fsdp.py, train_mp.py and train_pp.py write: resume with the script that wrote them, or "
-                    f"turn the newest into this script's format: python -m utils.parallel.fsdp export "
+                    f"turn the newest into this script's format: python -m utils.checkpoint.sharded export "
                     f"{run}/checkpoints/step_00000001 {run}/checkpoints/step_00000001.pt")
 
 

@@ -22,7 +22,7 @@ from tests.test_fsdp import exported
 from tests.test_train import expect_error_in_process
 from tests.test_vit_training import (assert_ac_and_compile_change_nothing_and_bf16_stays_close,
                                       assert_equals_single_device, val_records)
-from utils.checkpoint import load_checkpoint
+from utils.checkpoint.single import load_checkpoint
 from utils.config import ConfigError, build_config
 from utils.data import build_loaders
 from utils.data.volume import NUM_SYMMETRIES, VolumeDataset, apply_symmetry

@@ -14,7 +14,7 @@ from models import build_model
 from tests.conftest import VIT_STEPS, read_metrics, resume_from, run_script, vit_args, weights_at
 from tests.test_ddp import assert_same_weights, train_losses
 from tests.test_fsdp import exported
-from utils.checkpoint import load_checkpoint
+from utils.checkpoint.single import load_checkpoint
 from utils.config import build_config
 from utils.parallel.techniques import apply_ac, apply_compile
 from utils.precision import autocast

@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from utils.checkpoint import last_write_seconds, newest_complete_checkpoint
+from utils.checkpoint.files import last_write_seconds, newest_complete_checkpoint
 
 EXIT_STOPPED = 75
 """Exit code of a run that stopped on request (SIGTERM, SIGUSR1) after checkpointing the step it was on:

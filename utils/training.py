@@ -25,8 +25,9 @@ from torch import nn
 
 from models import ModelError
 
-from utils.checkpoint import (CheckpointError, StorageError, TrainState, capture_rng_state, check_model_settings,
-                              restore_rng_state, strip_wrapper_prefixes)
+from utils.checkpoint.files import CheckpointError, StorageError
+from utils.checkpoint.state import (TrainState, capture_rng_state, check_model_settings, restore_rng_state,
+                                    strip_wrapper_prefixes)
 from utils.config import Config, ConfigError, lr_scale
 from utils.data.common import STEP_STREAM, DataError, stable_hash
 from utils.parallel.distributed import DistEnv, device_for, joined_job, read_dist_env

@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from utils.checkpoint import METRICS_FILE, write_failure
+from utils.checkpoint.files import METRICS_FILE, write_failure
 
 _CONSOLE_FORMATS = {
     "loss": "loss {:.4g}",

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from utils.checkpoint import find_run_dir, replaced_atomically, reporting_write_failures
+from utils.checkpoint.files import find_run_dir, replaced_atomically, reporting_write_failures
 
 
 def _as_chw_numpy(tensor: torch.Tensor, name: str):

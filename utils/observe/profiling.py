@@ -39,7 +39,8 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity
 
-from utils.checkpoint import StorageError, find_run_dir, replaced_atomically, reporting_write_failures, write_failure
+from utils.checkpoint.files import (StorageError, find_run_dir, replaced_atomically, reporting_write_failures,
+                                    write_failure)
 from utils.config import Config, ConfigError, ProfileConfig
 from utils.parallel.distributed import read_dist_env
 from utils.precision import autocast

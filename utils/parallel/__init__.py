@@ -6,7 +6,7 @@
 - ``plans.py``: what is model-specific, read from each model's spec (models/spec.py; the built-in ones in
   models/<name>/spec.py): TP plan, what cp splits, pipeline cuts, AC/FSDP units.
 - ``techniques.py``: activation checkpointing, torch.compile and DDP.
-- ``fsdp.py``: FSDP2 / HSDP and their DCP checkpoints (``python -m utils.parallel.fsdp export``).
+- ``fsdp.py``: FSDP2 / HSDP (their DCP checkpoints: utils/checkpoint/sharded.py).
 - ``tensor_parallel.py``, ``context_parallel.py`` (the ViT's token bands), ``domain_parallel.py`` (SwinIR's
   field bands with halos), ``pipeline_parallel.py`` (stages and schedules).
 """

@@ -253,8 +253,3 @@ def all_reduce_max(value: float, device: torch.device) -> float:
     t = torch.tensor(float(value), device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
-
-
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()

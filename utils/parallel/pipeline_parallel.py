@@ -9,7 +9,7 @@
   units, plus the stem if it is the first and the tail if it is the last (its plan, in its spec: models/spec.py names them).
 - A stage is a copy of the model object that keeps only its own parts, under the model's parameter
   names (``layers.3.…``): the ranks' checkpoint shards together are the whole model's, so DCP
-  reshards them into any layout and ``python -m utils.parallel.fsdp export`` makes a train.py file.
+  reshards them into any layout and ``python -m utils.checkpoint.sharded export`` makes a train.py file.
 - Balance: units are split into contiguous runs minimising the largest stage's parameter count (the
   stem counted with the first stage, the tail with the last): parameters set a stage's memory for
   weights, gradients and AdamW state, and for transformer blocks of one width also its FLOPs.
@@ -37,8 +37,9 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                                     ScheduleZBVZeroBubble)
 
+from utils.checkpoint.sharded import sharded_payload
 from utils.config import ConfigError
-from utils.parallel.fsdp import apply_fsdp, sharded_payload
+from utils.parallel.fsdp import apply_fsdp
 from utils.parallel.plans import StagePlan, missing_plan, model_plan
 from utils.parallel.versions import check_schedule, keep_every_p2p_work
 from utils.precision import autocast
@@ -293,7 +294,7 @@ class Pipeline:
         return view
 
     def payload(self, optimizer, scheduler, scaler, state, cfg) -> dict:
-        """``utils.parallel.fsdp.sharded_payload`` of this rank's parameters, with each optimizer param group
+        """``utils.checkpoint.sharded.sharded_payload`` of this rank's parameters, with each optimizer param group
         listing the whole model's parameter names: DCP writes such a list once (rank 0's), so it must
         be the same on every rank; loading into any layout picks its own names from it."""
         payload = sharded_payload(self.local_model(), optimizer, scheduler, scaler, state, cfg)

@@ -1,4 +1,5 @@
 """From a checkpoint to predictions a scientist can use (predict.py, rollout.py), and their scores (evaluate.py): the
-checkpoint and its model (``checkpoints``), the inputs (``inputs``), tiles stitched with a blend (``tiles``), the
-output store (``store``: netCDF / Zarr, WeatherBench 2's layout, resumable region writes by many ranks), the truth and
-climatology a forecast is judged against (``truth``) and WeatherBench 2's scores (``scores``)."""
+checkpoint's model (``model``; reading the checkpoint: utils.checkpoint.reading), the inputs (``inputs``), tiles
+stitched with a blend (``tiles``), the output store (``store``: netCDF / Zarr, WeatherBench 2's layout, resumable
+region writes by many ranks), the truth and climatology a forecast is judged against (``truth``) and WeatherBench
+2's scores (``scores``)."""

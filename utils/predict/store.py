@@ -31,9 +31,9 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch.distributed as dist
 
-from utils.data.foreign import ALIASES, DERIVED, LONG_NAMES, UNITS
-from utils.checkpoint import replaced_atomically
+from utils.checkpoint.files import replaced_atomically
 from utils.data.common import DataError
+from utils.data.foreign import ALIASES, DERIVED, LONG_NAMES, UNITS
 
 SHORT_TO_LONG = {short: long for long, short in LONG_NAMES.items()}
 REQUEST = "request.json"

@@ -1,4 +1,5 @@
-"""Any checkpoint the scripts write, as the model it holds, rebuilt from the checkpoint's own config.
+"""Reading any checkpoint the scripts write, for predict.py and rollout.py: its config, step and weights, before a
+model is built (the model itself: utils/predict/model.py).
 
 - a run folder or its ``checkpoints/`` folder: the newest complete checkpoint of either kind;
 - a ``step_N.pt`` file (train.py, train_ddp.py, an exported DCP folder);
@@ -6,9 +7,7 @@
   whole model's parameter names, so DCP reads the full tensors into one plain model, the model entry alone
   (no optimizer state, no export to a temporary file);
 - weights without a config (the original SwinIR's ``params`` / ``params_ema``, SuperBench's, a bare state
-  dict): the model is described by a named config (``config_name``, from ``config_file`` if given).
-
-A checkpoint of a task the tool does not take is refused in one line (ConfigError) before any weight is read.
+  dict).
 """
 
 from __future__ import annotations
@@ -17,18 +16,17 @@ import json
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from models import ModelError, build_model, on_meta
-from utils.checkpoint import (DCP_METADATA, CheckpointError, TrainState, damage_in, latest_checkpoint,
-                              load_checkpoint, strip_wrapper_prefixes)
-from utils.config import Config, ConfigError, build_config, load_named_configs
-from utils.parallel.fsdp import latest_sharded_checkpoint
+from utils.checkpoint.files import (DCP_METADATA, CheckpointError, damage_in, latest_checkpoint,
+                                    latest_sharded_checkpoint)
+from utils.checkpoint.single import load_checkpoint
+from utils.checkpoint.state import TrainState
 
 WEIGHT_KEYS = ("model", "params_ema", "params", "model_state_dict", "state_dict")
 """Where a file's weights may lie: the scripts' checkpoints, then the original SwinIR's (EMA first), then others."""
@@ -85,55 +83,13 @@ def read_checkpoint(path) -> Checkpoint:
     return Checkpoint(checkpoint, run_dir, config, step, weights)
 
 
-def config_from_checkpoint(saved: Checkpoint, overrides: dict, tasks: Sequence[str], need: str,
-                           config_name: Optional[str] = None, config_file: Optional[Path] = None) -> Config:
-    """The run's config: its named config with every recorded key as an override (mean, std and channel names are
-    recorded already resolved from the data); for bare weights, ``config_name``'s (None: the tool takes none). A task not in ``tasks`` is
-    refused with ``need`` (what the tool takes instead)."""
-    if saved.config is None:
-        if config_name is None:
-            raise CheckpointError(f"checkpoint {saved.path} records no config: pass one written by the training "
-                                  "scripts")
-        if not config_name:
-            raise CheckpointError(f"checkpoint {saved.path} records no config (the original SwinIR or SuperBench "
-                                  "weights?): name the config that describes its model with --config NAME "
-                                  "(and --config_file PATH for one of yours)")
-        cfg = build_config(config_name, overrides, path=config_file)
-    else:
-        values = {**saved.config, **overrides}
-        name = values.pop("config")
-        # A run of --config_file names a config this folder lacks; every key is recorded, so any named base does.
-        base = name if name in load_named_configs() else next(iter(load_named_configs()))
-        try:
-            cfg = build_config(base, values)
-        except ConfigError as error:
-            raise ConfigError(f"checkpoint {saved.path}: its config does not build with this code ({error})") from None
-        cfg.name = name
-    if cfg.data.task not in tasks:
-        raise ConfigError(f"checkpoint {saved.path} is a {cfg.model.model} model for task {cfg.data.task!r} "
-                          f"(config {cfg.name}); {need}")
-    return cfg
-
-
-def load_model(cfg: Config, saved: Checkpoint, device: torch.device) -> nn.Module:
-    """The model ``cfg`` describes with the checkpoint's weights, strictly (a partial load would predict with
-    random weights), in eval mode on ``device``."""
-    model = build_model(cfg.model)
-    weights = saved.weights
-    if weights is None:
-        weights = _dcp_model_weights(model, saved.path)
-    try:
-        model.load_state_dict(strip_wrapper_prefixes(weights))
-    except (RuntimeError, ValueError) as error:
-        reason = " ".join(str(error).split())[:300]
-        raise CheckpointError(f"checkpoint {saved.path}: its weights do not fit the model its config describes "
-                              f"({reason})") from None
-    return model.to(device).eval()
-
-
-def _dcp_model_weights(model: nn.Module, folder: Path) -> dict:
-    """The model entry of a DCP folder read into full tensors shaped as ``model``'s. Buffers a layout did not save
-    (rebuilt from the config, as SwinIR's masks) keep the model's own values; a missing parameter is an error."""
+def model_weights(saved: Checkpoint, model: nn.Module) -> dict:
+    """The checkpoint's weights for ``model``: a file's as read; a DCP folder's model entry read now into full tensors
+    shaped as ``model``'s. Buffers a layout did not save (rebuilt from the config, as SwinIR's masks) keep the
+    model's own values; a missing parameter is an error."""
+    if saved.weights is not None:
+        return saved.weights
+    folder = saved.path
     stored = {key[len("model."):] for key in dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
               if key.startswith("model.")}
     state = model.state_dict()
@@ -154,18 +110,3 @@ def _dcp_load(state: dict, folder: Path) -> None:
     except (Exception, CheckpointException) as error:  # DCP's is a BaseException
         reason = damage_in(error) or " ".join(str(error).split())[:200]
         raise CheckpointError(f"checkpoint {folder} cannot be read ({reason})") from None
-
-
-def output_shape(cfg: Config, shape: Sequence[int]) -> Optional[tuple[int, ...]]:
-    """What the model makes of one input of ``shape`` (channels, *spatial), found on the meta device (no memory, no
-    time); ModelError (one line) for a grid it cannot take; None where an operator has no meta kernel."""
-    model = on_meta(lambda: build_model(cfg.model)).eval()
-    try:
-        with torch.no_grad():
-            return tuple(model(torch.empty((1, *shape), device="meta")).shape[1:])
-    except NotImplementedError:
-        return None  # the first real forward will tell
-    except Exception as error:  # noqa: BLE001 -- any model's own complaint about the shape
-        grid = "x".join(map(str, shape[1:]))
-        raise ModelError(f"the model of this checkpoint ({cfg.model.model_class}) cannot take a {grid} grid of "
-                         f"{shape[0]} channels: {str(error).splitlines()[0][:200]}") from None

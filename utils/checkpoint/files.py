@@ -1,48 +1,36 @@
-"""Atomic, resumable single-file checkpoints (``torch.save``) and the RNG state that goes in them.
+"""The files of a run and their safety, for every kind of checkpoint (single.py's files, sharded.py's folders).
 
-A checkpoint is ``<ckpt_dir>/step_<step:08d>.pt``. It is written to a hidden temporary file in
-the same folder, synced to disk, then renamed over the final name: a rename within one file
-system is atomic, so a job killed at any moment leaves either the complete new file or none,
-and the previous checkpoint untouched. Only names of the form ``step_<digits>.pt`` count as
-checkpoints; leftover temporary files are ignored and removed by the next save.
-
-States hold only tensors, numbers, strings, None and lists/tuples/sets/dicts of them, so they load
-with ``torch.load(weights_only=True)``, which cannot run code from the file. ``save_checkpoint``
-checks this before writing, so a wrong type fails at the first save, not at resume time.
-
-One process writes a folder (rank 0 for DDP); FSDP runs use ``torch.distributed.checkpoint``.
-
-Every write of a run (checkpoints, metrics, pictures, profiles) goes through :func:`reporting_write_failures`
-or :func:`write_failure`: a full, over-quota or failing file system becomes one :class:`StorageError` line
-(exit code 4) that names the file, the free space and the last good checkpoint, and says how to resume.
-:func:`prepare_run_dir` is the training scripts' start-up check of ``--run_dir``.
+- Names: ``step_<step:08d>.pt`` files and DCP ``step_<step:08d>/`` folders (complete once they hold
+  DCP_METADATA), the newest complete one of either kind, and the one a run resumes from (:func:`load_newest`,
+  which sets a damaged one aside under ``--resume auto``).
+- Atomic writes: :func:`replaced_atomically` (a temporary file renamed into place) and :func:`fsync_dir`;
+  predict.py, rollout.py and evaluate.py write their outputs the same way.
+- Failed writes: every write of a run (checkpoints, metrics, pictures, profiles) goes through
+  :func:`reporting_write_failures` or :func:`write_failure`: a full, over-quota or failing file system becomes one
+  :class:`StorageError` line (exit code 4) that names the file, the free space and the last good checkpoint, and
+  says how to resume.
+- :func:`prepare_run_dir`, the training scripts' start-up check of ``--run_dir``, and the two collectives that
+  these decisions take under torchrun (rank 0 decides; :func:`barrier`).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import dataclasses
 import errno
 import os
 import pickle
-import random
 import re
 import shutil
 import tempfile
-import time
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from typing import Callable, Iterator, Optional, TypeVar
 
-import numpy as np
-import torch
 import torch.distributed as dist
 
 CHECKPOINT_NAME = re.compile(r"^step_(\d+)\.pt$")
 SHARDED_CHECKPOINT_NAME = re.compile(r"^step_(\d+)$")
-"""train_fsdp.py's DCP folders (utils/parallel/fsdp.py); complete once they hold DCP_METADATA, which DCP writes last."""
+"""train_fsdp.py's DCP folders (sharded.py); complete once they hold DCP_METADATA, which DCP writes last."""
 DCP_METADATA = ".metadata"
 METRICS_FILE = "metrics.jsonl"
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO})
@@ -57,13 +45,6 @@ DAMAGED_PREFIX = "damaged-"
 _UNREADABLE = (OSError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile)
 _UNREADABLE_WORDS = re.compile(r"read failed|truncated|Ran out of input|PytorchStreamReader|unexpected EOF|corrupt")
 """What torch.load and DCP's readers say of bytes that are not there or not what was written."""
-WRAPPER_COMPONENTS = frozenset({"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
-"""Key components added by DDP / DataParallel, torch.compile, activation checkpointing and FSDP1."""
-
-# Types torch.load(weights_only=True) rebuilds. Exact types: numpy scalars subclass float but are
-# rejected by the weights-only unpickler.
-_LEAF_TYPES = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
-_CONTAINER_TYPES = (dict, collections.OrderedDict, list, tuple, set)
 
 
 class CheckpointError(RuntimeError):
@@ -87,18 +68,6 @@ class StorageError(CheckpointError):
     """A write failed because the file system is full, over quota or failing (utils.training.run_cli: exit 4).
 
     A CheckpointError, so that code which handles a failed checkpoint write handles this one too."""
-
-
-@dataclass
-class TrainState:
-    """Where training is: enough, with the RNG states, to continue exactly."""
-
-    step: int = 0
-    """Optimizer steps taken."""
-    epoch: int = 0
-    """Current epoch."""
-    batch_in_epoch: int = 0
-    """Batches of the current epoch already consumed."""
 
 
 def ensure_writable_dir(path) -> Path:
@@ -238,6 +207,13 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def barrier() -> None:
+    """Wait for every rank (nothing without a process group). Here rather than in utils.parallel, which sits above
+    the checkpoints: sharded.py's saves and :func:`load_newest` need it."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
 def prepare_run_dir(run_dir, resume: bool) -> Path:
     """The training scripts' start-up check of ``--run_dir``: writable, and not another run's folder.
 
@@ -278,24 +254,6 @@ def _refuse_another_run(run_dir: Path) -> None:
     ways = "continue it with --resume, choose another --run_dir, or delete it" if newest else (
         "choose another --run_dir, or delete it (it has no checkpoint to --resume from)")
     raise CheckpointError(f"run directory {run_dir} already holds another run ({held}): {ways}")
-
-
-def _check_weights_only_types(value: Any, where: str) -> None:
-    if isinstance(value, torch.Tensor) or type(value) in _LEAF_TYPES:
-        return
-    if type(value) not in _CONTAINER_TYPES:
-        raise CheckpointError(
-            f"checkpoint state {where} is a {type(value).__module__}.{type(value).__qualname__}: store only "
-            "tensors, numbers, strings, None and lists/tuples/dicts of them (e.g. float(x), "
-            "dataclasses.asdict(c)) so the file loads with torch.load(weights_only=True)"
-        )
-    if isinstance(value, dict):
-        for key, item in value.items():
-            _check_weights_only_types(key, f"{where} key {key!r}")
-            _check_weights_only_types(item, f"{where}[{key!r}]")
-    else:
-        for index, item in enumerate(value):
-            _check_weights_only_types(item, f"{where}[{index}]")
 
 
 def fsync_dir(path: Path) -> None:
@@ -348,53 +306,6 @@ def replaced_atomically(path: Path | str, prefix: str = ".tmp-") -> Iterator[Pat
         raise
 
 
-def _remove_stale_temp_files(ckpt_dir: Path) -> None:
-    for entry in ckpt_dir.glob(TEMP_PREFIX + "*"):
-        entry.unlink(missing_ok=True)
-
-
-def save_checkpoint(ckpt_dir, step: int, state: dict, keep: int = 2) -> Path:
-    """Write ``state`` to ``ckpt_dir/step_{step:08d}.pt`` atomically; keep the ``keep`` newest.
-
-    ``keep < 1`` keeps every checkpoint. The file just written is never pruned, even when the
-    folder holds checkpoints of higher steps (e.g. from an earlier run).
-    Raises CheckpointError for a state that would not load with weights_only=True and for
-    other write failures (permissions), StorageError for a full, over-quota or failing disk;
-    nothing half-written is left behind.
-    """
-    if not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
-    started = time.monotonic()
-    _check_weights_only_types(state, "state")
-    ckpt_dir = ensure_writable_dir(ckpt_dir)
-    _remove_stale_temp_files(ckpt_dir)
-    final_path = ckpt_dir / f"step_{step:08d}.pt"
-    try:
-        # torch.save writes through this Python file, so a full disk's OSError stays attached to its RuntimeError.
-        with replaced_atomically(final_path, prefix=TEMP_PREFIX) as temporary, open(temporary, "wb") as stream:
-            torch.save(state, stream)
-            stream.flush()
-            os.fsync(stream.fileno())
-    except (OSError, RuntimeError) as error:  # the temporary file is gone already; a Ctrl-C propagates unchanged
-        failure = write_failure(error, "checkpoint", final_path, run_dir=ckpt_dir.parent, ckpt_dir=ckpt_dir)
-        if failure is not None:
-            raise failure from None
-        if not isinstance(error, OSError):
-            raise
-        raise CheckpointError(
-            f"could not write checkpoint {final_path} ({error.strerror or error}): "
-            "choose another --run_dir; the previous checkpoint is intact"
-        ) from None
-    fsync_dir(ckpt_dir)
-
-    if keep >= 1:
-        older = [path for _, path in checkpoints_by_step(ckpt_dir) if path != final_path]
-        for path in older[: max(0, len(older) - (keep - 1))]:
-            path.unlink(missing_ok=True)
-    note_write_time(time.monotonic() - started)
-    return final_path
-
-
 _last_write_s: Optional[float] = None
 
 
@@ -416,14 +327,9 @@ def latest_checkpoint(ckpt_dir) -> Optional[Path]:
     return found[-1][1] if found else None
 
 
-def check_model_settings(saved: dict, cfg, path) -> None:
-    """A resume must build the model that the checkpoint holds: name the model keys whose values differ."""
-    differ = [f"{f.name} {getattr(cfg.model, f.name)!r} (checkpoint: {saved[f.name]!r})"
-              for f in dataclasses.fields(cfg.model) if f.name in saved and f.name != "model_path"  # where, not what
-              and saved[f.name] != getattr(cfg.model, f.name)]
-    if differ:
-        raise CheckpointError(f"{path} holds a model built with other settings: {', '.join(differ)}; a resumed run "
-                              "must use the run's model settings (drop those overrides)")
+def latest_sharded_checkpoint(ckpt_dir) -> Optional[Path]:
+    """The complete DCP checkpoint with the highest step, or None; single-file checkpoints are an error."""
+    return checkpoint_to_resume(ckpt_dir, "auto", sharded=True)
 
 
 def checkpoint_to_resume(ckpt_dir, resume, sharded: bool = False) -> Optional[Path]:
@@ -446,8 +352,8 @@ def checkpoint_to_resume(ckpt_dir, resume, sharded: bool = False) -> Optional[Pa
         folder = other[-1][1]
         raise CheckpointError(f"{ckpt_dir} holds DCP checkpoint folders ({folder.name}), which train_fsdp.py, "
                               "train_mp.py and train_pp.py write: resume with the script that wrote them, or turn "
-                              f"the newest into this script's format: python -m utils.parallel.fsdp export {folder} "
-                              f"{ckpt_dir}/{folder.name}.pt")
+                              "the newest into this script's format: python -m utils.checkpoint.sharded export "
+                              f"{folder} {ckpt_dir}/{folder.name}.pt")
     if resume == "auto":
         return None
     raise CheckpointError(f"--resume: no checkpoint in {ckpt_dir}; run without --resume to start fresh")
@@ -485,8 +391,7 @@ def load_newest(ckpt_dir, resume, load: Callable[[Path], Loaded], sharded: bool 
             os.replace(path, aside)
             print(f"warning: checkpoint {path} is damaged ({damage.reason}): set aside as {aside.name}; resuming "
                   "from the one before it", flush=True)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()  # the next look at the folder sees it set aside
+        barrier()  # the next look at the folder sees it set aside
 
 
 def _any_rank(flag: bool) -> bool:
@@ -519,100 +424,3 @@ def damage_in(error: BaseException) -> Optional[str]:
             return text if len(text) <= 160 else text[:157] + "..."
         todo += [current.__cause__, current.__context__]
     return None
-
-
-def load_checkpoint(path, map_location="cpu", weights_only: bool = True) -> dict:
-    """Load a checkpoint written by :func:`save_checkpoint`; CheckpointError if missing or corrupt."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist: check --run_dir, or start without --resume")
-    try:
-        return torch.load(path, map_location=map_location, weights_only=weights_only)
-    except MemoryError:
-        raise
-    except Exception as error:  # torch raises many types for damaged files (OSError, KeyError, EOFError, ...)
-        # The weights-only unpickler also rejects garbage bytes; only "Unsupported global" means a real object.
-        foreign = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
-        if foreign:
-            raise CheckpointError(
-                f"checkpoint {path} holds a {foreign.group(1)}, which torch.load(weights_only=True) refuses; "
-                "if you trust the file, load it with weights_only=False"
-            ) from None
-        raise DamagedCheckpointError(path, f"corrupt or truncated: {type(error).__name__}") from None
-
-
-def capture_rng_state() -> dict:
-    """The state of every random generator a training step may draw from.
-
-    Python ``random``, NumPy's global generator, torch's CPU generator and, when CUDA is
-    available, the generator of every visible GPU. NumPy's key is stored as an int64 tensor so
-    the result loads with weights_only=True.
-    """
-    numpy_state = np.random.get_state(legacy=False)
-    state = {
-        "python": random.getstate(),
-        "numpy": {
-            "bit_generator": numpy_state["bit_generator"],
-            "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
-            "pos": int(numpy_state["state"]["pos"]),
-            "has_gauss": int(numpy_state["has_gauss"]),
-            "gauss": float(numpy_state["gauss"]),
-        },
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng_state(state: dict) -> None:
-    """Restore generators captured by :func:`capture_rng_state`.
-
-    CUDA states are restored for as many GPUs as both the checkpoint and this process have
-    (none when resuming a GPU run on CPU or the other way round).
-    """
-    random.setstate(_as_python_random_state(state["python"]))
-    numpy_state = state["numpy"]
-    np.random.set_state(
-        {
-            "bit_generator": numpy_state["bit_generator"],
-            "state": {"key": numpy_state["key"].cpu().numpy().astype(np.uint32), "pos": numpy_state["pos"]},
-            "has_gauss": numpy_state["has_gauss"],
-            "gauss": numpy_state["gauss"],
-        }
-    )
-    torch.set_rng_state(state["torch"].cpu())
-    cuda_states = state.get("cuda")
-    if cuda_states and torch.cuda.is_available():
-        for index, cuda_state in enumerate(cuda_states[: torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(cuda_state.cpu(), index)
-
-
-def _as_python_random_state(saved) -> tuple:
-    # random.setstate insists on tuples; be lenient if a state went through JSON or lists.
-    version, internal, gauss = saved
-    return (version, tuple(internal), gauss)
-
-
-def strip_wrapper_prefixes(state_dict: dict) -> dict:
-    """A copy of ``state_dict`` with the key components that wrappers add removed.
-
-    ``module.`` (DDP), ``_orig_mod.`` (torch.compile), ``_checkpoint_wrapped_module.``
-    (activation checkpointing) and ``_fsdp_wrapped_module.`` are removed wherever they appear as
-    whole dot-separated components, so a state saved from any wrapped model loads into the plain
-    one. Keeps the order and the ``_metadata`` (module versions) that ``load_state_dict`` reads.
-    """
-
-    def strip(key: str) -> str:
-        return ".".join(part for part in key.split(".") if part not in WRAPPER_COMPONENTS)
-
-    stripped = collections.OrderedDict()
-    for key, value in state_dict.items():
-        new_key = strip(key)
-        if new_key in stripped:
-            raise ValueError(f"state_dict keys collide after removing wrapper prefixes: {key!r} -> {new_key!r}")
-        stripped[new_key] = value
-    metadata = getattr(state_dict, "_metadata", None)
-    if metadata is not None:
-        stripped._metadata = collections.OrderedDict((strip(key), value) for key, value in metadata.items())
-    return stripped
