@@ -1,8 +1,9 @@
 """The house's walls (docs/architecture.md): what `make test` and these tests hold the code to.
 
 - The import contracts of .importlinter (models/ import nothing from utils/, utils/ no model's folder; utils/ in
-  layers; no circle among the modules of a package) hold, and a new import that breaks one fails `lint-imports` with a line
-  that names it.
+  layers; no circle among the modules of a package; nothing imports tests/) hold, and a new import that breaks one
+  fails `lint-imports` with a line that names it. The top-level scripts, modules import-linter cannot take as
+  roots, import neither tests/ nor benchmarks/.
 - Imports stand at module top: an import inside a function is allowed only for an optional or heavy
   dependency, with a comment that says why.
 - No file in utils/ is longer than a reader takes in at one sitting.
@@ -11,6 +12,7 @@
 from __future__ import annotations
 
 import ast
+import configparser
 import shutil
 import subprocess
 import sys
@@ -27,14 +29,20 @@ def lint_imports(root: Path) -> subprocess.CompletedProcess:
                           env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}, timeout=300)
 
 
+def root_packages() -> list[str]:
+    config = configparser.ConfigParser()
+    config.read(REPO / ".importlinter")
+    return config["importlinter"]["root_packages"].split()
+
+
 def with_import(tmp_path: Path, module: str, imported: str) -> Path:
-    """A copy of the packages the contracts name, and the contracts, in which ``module`` (a path under utils/) also
-    imports ``imported``."""
+    """A copy of the packages the contracts name, and the contracts, in which ``module`` (a path from the repository
+    root) also imports ``imported``."""
     root = tmp_path / module.replace("/", "_")
-    for part in ("utils", "models", "datasets", "benchmarks", "tests", "tools", ".importlinter"):
-        copy = shutil.copytree if (REPO / part).is_dir() else shutil.copy
-        copy(REPO / part, root / part)
-    path = root / "utils" / module
+    for package in root_packages():
+        shutil.copytree(REPO / package, root / package)
+    shutil.copy(REPO / ".importlinter", root / ".importlinter")
+    path = root / module
     path.write_text(path.read_text() + f"\nimport {imported}  # noqa: E402\n")
     return root
 
@@ -42,16 +50,18 @@ def with_import(tmp_path: Path, module: str, imported: str) -> Path:
 def test_the_import_contracts_hold_and_a_broken_one_names_the_import(tmp_path):
     kept = lint_imports(REPO)
     assert kept.returncode == 0, kept.stdout + kept.stderr
-    assert "5 kept, 0 broken" in kept.stdout
-    upward = lint_imports(with_import(tmp_path, "config.py", "utils.training"))  # the ground floor reaching up
+    assert "6 kept, 0 broken" in kept.stdout
+    upward = lint_imports(with_import(tmp_path, "utils/config.py", "utils.training"))  # the ground floor reaching up
     assert upward.returncode != 0
     assert "utils.config -> utils.training" in upward.stdout  # (and, as training imports config, a circle)
-    circle = lint_imports(with_import(tmp_path, "data/common.py", "utils.data.era5"))  # a circle inside a room
+    circle = lint_imports(with_import(tmp_path, "utils/data/common.py", "utils.data.era5"))  # a circle inside a room
     assert circle.returncode != 0
     assert "No cycles are allowed in utils.data" in circle.stdout and ".common -> .era5" in circle.stdout
-    script = lint_imports(with_import(tmp_path, "predict/store.py", "datasets.convert"))  # the library on a script
+    script = lint_imports(with_import(tmp_path, "utils/predict/store.py", "datasets.convert"))  # library on a script
     assert script.returncode != 0 and "utils.predict.store -> datasets.convert" in script.stdout
-    model = lint_imports(with_import(tmp_path, "memory/estimate.py", "models.vit.memory"))  # a helper on a model
+    suite = lint_imports(with_import(tmp_path, "examples/fno/fno.py", "tests.conftest"))  # a user's model on the tests
+    assert suite.returncode != 0 and "examples.fno.fno -> tests.conftest" in suite.stdout
+    model = lint_imports(with_import(tmp_path, "utils/memory/estimate.py", "models.vit.memory"))  # a helper on a model
     assert model.returncode != 0 and "utils.memory.estimate -> models.vit.memory" in model.stdout
 
 
@@ -66,6 +76,21 @@ def test_each_built_in_model_is_a_folder_with_its_spec_behind_the_wall():
         assert {"network.py", "spec.py"} <= {p.name for p in (REPO / "models" / name).iterdir()}
         spec = built_in(name)
         assert spec.name == name and spec.build.startswith(f"models.{name}:") and spec.memory is not None
+
+
+def test_the_top_level_scripts_import_no_tests_and_no_benchmarks():
+    """train.py, plan.py, ...: what a user runs stands without the test suite and the benchmarks (import-linter
+    takes packages only as its roots, so these modules are read here)."""
+    scripts = sorted(REPO.glob("*.py"))
+    assert {"train.py", "plan.py", "predict.py"} <= {path.name for path in scripts}
+    leaning = []
+    for path in scripts:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            leaning += [f"{path.name}:{node.lineno}: {name}" for name in names
+                        if name.split(".")[0] in ("tests", "benchmarks")]
+    assert not leaning, "top-level scripts importing tests/ or benchmarks/:\n" + "\n".join(leaning)
 
 
 def python_files(*folders: str) -> list[Path]:

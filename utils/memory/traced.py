@@ -43,14 +43,15 @@ Versions: the trackers and the fake process group are in torch 2.6 to 2.15; torc
 of the c10d collectives (``torch.distributed._tools.fake_collectives``, 2.7), so its FSDP/HSDP traces are refused in
 one line; torch 2.7.1, 2.11 and 2.15 trace the same bytes (checked on the tiny ViT: one process, DDP, FSDP).
 
-Accuracy — benchmarks/validate_traced_estimate.py, torch 2.15 on CPU: the peak of the largest rank of real steps on
-1, 2 and 4 gloo processes (utils.memory.measure.measure_layout, counted from the model's build on), the traced
-estimate's error against it. Layouts: processes, strategy, precision (bf16: autocast; bf16p: bf16 parameters, FSDP2's
-policy), AC (block). Models: the tests' tiny configs (tests/conftest.py), the quickstart configs, and SpectralNet
-(tests/spectral_model.py), a Fourier neural operator the project has no description of. FSDP and HSDP: the median of
-3 runs, which vary (gloo's collectives run on threads of their own: when their buffers meet a backward's peak
-varies; the U-Net quickstart's on 4 processes measured 18.8-20.9 MB, in an earlier run 12.5-18.8 MB); every traced
-estimate is within 10 % of one of its case's measured runs.
+Accuracy — benchmarks/validate_traced_estimate.py, torch 2.15.0+cu132 on the CPU of a 2-core Intel Xeon VM: the peak
+of the largest rank of real steps on 1, 2 and 4 gloo processes (utils.memory.measure.measure_layout, counted from the
+model's build on), the traced estimate's error against it. Layouts: processes, strategy, precision (bf16: autocast;
+bf16p: bf16 parameters, FSDP2's policy), AC (block). Models: the tests' tiny configs (tests/conftest.py), the
+quickstart configs, and examples/fno's FNO-2D at fno_quickstart's size (Part IV's model of your own), which the
+project has no description of (its row measured a day after the others, its DDP 3 times too). FSDP and HSDP: the
+median of 3 runs, which vary (gloo's collectives run on threads of their own: when their buffers meet a backward's
+peak varies; the U-Net quickstart's on 4 processes measured 18.8-20.9 MB, in an earlier run 12.5-18.8 MB); every
+traced estimate is within 10 % of one of its case's measured runs.
 
 =================  ======  =========  =====  ========  ======  ========  =========  ======  =========  ========
 model              1 fp32  1 bf16 AC  DDP 2  DDP 2     FSDP 2  FSDP 2    FSDP 2     DDP 4   FSDP 4     HSDP 2x2
@@ -59,17 +60,18 @@ model              1 fp32  1 bf16 AC  DDP 2  DDP 2     FSDP 2  FSDP 2    FSDP 2 
 SwinIR tiny         -0.0%      -1.2%  -5.1%     -3.2%   +2.7%     +1.4%     +21.7%   -1.9%      +5.5%     +3.8%
 ViT tiny            -0.0%      -1.0%  -0.0%     -1.5%   +0.6%     +0.5%      -7.7%   -0.0%      -1.8%     +3.1%
 U-Net tiny          +0.0%      -0.9%  -3.0%     -4.9%   +0.0%     -2.3%      -1.2%   +0.0%      -3.1%     +1.7%
-SpectralNet         -1.3%      -2.2%  -1.1%     -3.2%   +0.4%     +0.1%      -7.0%   -8.9%      -0.6%     -1.5%
+FNO quickstart      +0.0%      -0.0%  +0.0%     -1.0%   -0.0%     -0.1%      -3.7%   +1.0%     +21.8%     +6.0%
 SwinIR quickstart   -1.0%      -0.5%  -0.7%     -0.5%   +1.6%     +3.4%      +4.6%   -2.1%      +7.3%     +2.6%
 ViT quickstart      +0.0%      -1.3%  -0.0%     -2.0%   -1.7%     -3.2%      -7.8%   -1.4%      +1.0%     +1.7%
 U-Net quickstart    +0.0%      -0.1%  -0.0%     -0.1%   +0.5%     -8.7%      +0.4%   +0.0%     -10.7%     +1.9%
 =================  ======  =========  =====  ========  ======  ========  =========  ======  =========  ========
 
 (SwinIR tiny, FSDP 2 bf16p: measured 0.69-0.87 MB, traced 0.86; U-Net quickstart, FSDP 4: 18.8-20.9 MB, traced
-17.7.) The hand-written estimate's total on the same runs: -25 % to +39 % (its temporary peak is reasoned, not
-traced: below the measured peak for the small SwinIRs, above it for the U-Net under FSDP). It stays the default for
-the models it describes: activations exact to the byte at any size in no time, CUDA's kernels modelled, and tensor,
-context and pipeline parallelism; ``estimate_memory.py --traced`` traces any model.
+17.7; FNO quickstart, FSDP 4: 19.31-21.41 MB, traced 23.53.) The hand-written estimate's total on the same runs: -25 %
+to +39 % (its temporary peak is reasoned, not traced: below the measured peak for the small SwinIRs, above it for the
+U-Net under FSDP). It stays the default for the models it describes: activations exact to the byte at any size in no
+time, CUDA's kernels modelled, and tensor, context and pipeline parallelism; ``estimate_memory.py --traced`` traces
+any model.
 """
 
 from __future__ import annotations
