@@ -155,6 +155,10 @@ def climb(config: str, steps: int, breakdown_steps: int, workers: int, lacks: di
         results.append(Result(rung.name, rung.what, rung.keys, samples_per_sec=rates["full_samples_per_sec"],
                               synthetic_samples_per_sec=rates["synthetic_samples_per_sec"],
                               peak_mem_gb=train["peak_mem_gb"], extra={"io_samples_per_sec": rates["io_samples_per_sec"]}))
+        # Each rung's figures as soon as it ends: a job that its time limit cuts short still says how far it got.
+        print(f"  {rung.name}: {rates['full_samples_per_sec']:.1f} samples/s (SYNTHETIC "
+              f"{rates['synthetic_samples_per_sec']:.1f}, IO {rates['io_samples_per_sec']:.1f}), peak "
+              f"{train['peak_mem_gb']:.2f} GB", file=sys.stderr, flush=True)
     return results
 
 
