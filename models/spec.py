@@ -117,8 +117,11 @@ def register(spec: ModelSpec) -> ModelSpec:
 
 
 def register_plan(model_class: type, plan: ModelPlan) -> None:
-    """Declare only the plan of ``model_class`` (the rest of its spec stays as it is, or the default's)."""
-    register(dataclasses.replace(class_spec(model_class), model_class=model_class, plan=plan))
+    """Declare only the plan of ``model_class`` (the rest of its spec stays as it is, or the one it inherits)."""
+    inherited = class_spec(model_class)
+    named = inherited.model_class is model_class  # a subclass of a built-in model is not that model by name
+    register(dataclasses.replace(inherited, model_class=model_class, plan=plan,
+                                 **({} if named else {"name": "", "build": ""})))
 
 
 def class_spec(model_class: type) -> ModelSpec:

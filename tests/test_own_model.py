@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from models import ModelError, build_model
+from models import spec as specs
+from models.spec import ModelPlan, built_in, register_plan
 from tests.conftest import FakeMesh, exit_in_one_process, read_metrics, run_script
 from utils.config import ConfigError, build_config
 from utils.parallel.plans import ac_units, model_plan
@@ -223,6 +225,13 @@ def test_the_built_in_names_and_keys_stay_the_built_in_models(user_folder):
         config(user_folder, model="vit")
     with pytest.raises(ConfigError, match="model 'mixer' is not one of the built-in models"):
         build_config("vit_quickstart", {"model": "mixer"})
+    # A subclass of a built-in model with a plan of its own is yours: the name still means the built-in model.
+    vit = built_in("vit")
+    try:
+        register_plan(type("MyViT", (vit.model_class,), {}), ModelPlan())
+        assert built_in("vit") is vit and build_config("vit_quickstart").model.model_class == vit.build
+    finally:
+        specs._SPECS.pop(next(c for c in specs._SPECS if c.__name__ == "MyViT"), None)
 
 
 def test_it_trains_and_resumes_like_a_built_in_model(user_folder, vit_data, tmp_path, capsys):

@@ -9,8 +9,8 @@ prints) adds up
 * temporary: the extra memory of the worst moment of the step on top of the held activations
   (:func:`~utils.memory.graphs.simulate_peak`).
 
-Model parallelism (train_mp.py, train_pp.py; plan.py ranks layouts by it): ``tp`` splits what the model's row of
-spec splits (the activations as each graph says: models/<name>/memory.py), the ViT's ``cp`` gives
+Model parallelism (train_mp.py, train_pp.py; plan.py ranks layouts by it): ``tp`` splits what the model's spec
+splits (the activations as each graph says: models/<name>/memory.py), the ViT's ``cp`` gives
 each rank a band of tokens with the keys and values of all bands, and ``pp`` gives each rank its stages' parameters
 and the activations of the microbatches its schedule keeps in flight (:func:`in_flight`). Checked against the
 ``memory`` records of small runs (tests/test_mp.py, test_pp.py, test_fsdp.py: within 10 %; tp 2 -6 % (SwinIR -5 %),
