@@ -263,7 +263,7 @@ def run_script(*args: str, timeout: float = 240, env_extra: dict | None = None, 
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(proc.args)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
-                             f"--- stderr\n{proc.stderr[-4000:]}")
+                             f"--- stderr\n{getattr(proc, 'ranks_tail', '') or proc.stderr[-4000:]}")
     return proc
 
 
@@ -393,9 +393,10 @@ def _run_ranks(cmd: list[str], n: int, env: dict, timeout: float) -> subprocess.
         procs = [subprocess.Popen(cmd, cwd=REPO, env={**common, "RANK": str(r), "LOCAL_RANK": str(r)},
                                   stdout=out, stderr=err, text=True) for r, (out, err) in enumerate(outs)]
         deadline = time.monotonic() + timeout
-        while any(p.poll() is None for p in procs):
-            failed = any(p.returncode not in (None, 0) for p in procs)
-            if failed or time.monotonic() > deadline:
+        first = None  # the rank that failed first: the others' errors often only follow from its end
+        while any([p.poll() is None for p in procs]):  # a list: every rank polled, so each return code is read
+            first = next((r for r, p in enumerate(procs) if p.returncode not in (None, 0)), None)
+            if first is not None or time.monotonic() > deadline:
                 for p in procs:
                     if p.poll() is None:
                         p.kill()
@@ -407,6 +408,12 @@ def _run_ranks(cmd: list[str], n: int, env: dict, timeout: float) -> subprocess.
             out.seek(0), err.seek(0)
             texts.append((out.read(), err.read()))
             out.close(), err.close()
-    code = next((c for c in codes if c != 0), 0)
-    return subprocess.CompletedProcess([f"RANK=0..{n - 1}", *cmd], code, "".join(t[0] for t in texts),
+    code = codes[first] if first is not None else next((c for c in codes if c != 0), 0)
+    proc = subprocess.CompletedProcess([f"RANK=0..{n - 1}", *cmd], code, "".join(t[0] for t in texts),
                                        "".join(t[1] for t in texts))
+    # A failure message keeps the end of stderr, which is the last rank's: give it every rank's own end, the rank
+    # that failed first first (the others' errors often only follow from its end).
+    order = ([first] if first is not None else []) + [r for r in range(n) if r != first]
+    proc.ranks_tail = "".join(f"\n--- rank {r} exited {codes[r]}{' (failed first)' if r == first else ''}\n"
+                              f"{texts[r][1][-1200:]}" for r in order) if code else ""
+    return proc
