@@ -1,7 +1,8 @@
 """Does every layout of a model train as one device does? Checked on a laptop, in one command, before GPU hours.
 
-    python check_layouts.py --config vit_quickstart --depths '[4]'     # the ViT: every layout, 4 CPU processes
-    python check_layouts.py --config quickstart --depths '[1,1,1,1]' --num_heads '[2,2,2,2]'   # SwinIR: 4 RSTBs
+    python check_layouts.py --config vit_quickstart --model_args.depths '[4]'   # the ViT: every layout, 4 CPU processes
+    python check_layouts.py --config quickstart \
+        --model_args "{depths: [1,1,1,1], num_heads: [2,2,2,2]}"                # SwinIR: 4 RSTBs
     python check_layouts.py --config unet3d_quickstart --crop_size 16   # the U-Net: DDP, FSDP, HSDP only
     python check_layouts.py --config_file my_model.yaml --config my_model --nproc 2
     python check_layouts.py --config vit_quickstart --only cp --left_out cp_reduction   # also cp without it: FAIL
@@ -22,13 +23,14 @@ layout that ran equals one process (and every one with a piece left out does not
 
 The model is whatever models.build_model builds from the config, so a model of your own is checked the same
 way. The check is in fp32 and without random layers: --amp_dtype, --param_dtype and --reduce_dtype stay fp32,
-and drop_path_rate is set to 0 (each layout would draw other masks). Any config key can be overridden as in
-the training scripts (`python check_layouts.py --help` lists them).
+and a model argument drop_path_rate (stochastic depth) is set to 0 (each layout would draw other masks). Any
+config key can be overridden as in the training scripts (`python check_layouts.py --help` lists them).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import logging
@@ -92,7 +94,11 @@ def checked(cfg: Config, args, world: int) -> Config:
                           f"out; bf16's 4e-3 would hide it: drop {' '.join(low)}")
     # The same weights on every rank (statistics where the data would give them), no random masks, and the lr of
     # every step (a warm-up would start it near 0).
-    return with_keys(with_statistics(cfg), {"drop_path_rate": 0.0, "warmup_steps": 0, "batch_size": batch})
+    cfg = with_keys(with_statistics(cfg), {"warmup_steps": 0, "batch_size": batch})
+    if "drop_path_rate" in cfg.model.model_args:  # stochastic depth, by timm's name for it
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+            cfg.model, model_args={**cfg.model.model_args, "drop_path_rate": 0.0}))
+    return cfg
 
 
 def random_batches(cfg: Config, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -15,7 +15,7 @@ Launch (torchrun starts one process per GPU and sets RANK, LOCAL_RANK, WORLD_SIZ
     sbatch --nodes 2 submit_multinode.sh train_pp.py --config baseline --pp 4 --pp_microbatches 8  # + 2 pipelines
     torchrun --nproc-per-node 2 train_pp.py --config vit_quickstart --pp 2            # laptop: 2 CPU processes
     torchrun --nproc-per-node 2 train_pp.py --config quickstart --pp 2 --pp_schedule zbv \
-        --depths "[1,1,1,1]" --num_heads "[2,2,2,2]" --batch_size 8 --pp_microbatches 8   # SwinIR: 4 RSTBs, V-shaped
+        --model_args "{depths: [1,1,1,1], num_heads: [2,2,2,2]}" --batch_size 8 --pp_microbatches 8   # SwinIR: V-shaped
 Any config key can be overridden on the command line; `python train_pp.py --help` lists them all.
 """
 

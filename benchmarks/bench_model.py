@@ -203,7 +203,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.drop_path_rate is not None:
-        cfg.model.drop_path_rate = args.drop_path_rate
+        cfg.model.model_args["drop_path_rate"] = args.drop_path_rate
 
     torch.manual_seed(0)
     model = build_model(cfg).to(device).train()
@@ -247,7 +247,8 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_description()
     print(f"device: {name}{threads}; torch {torch.__version__}")
     print(f"model: config {args.config!r}, {count_parameters(model):,} parameters, "
-          f"drop_path_rate {cfg.model.drop_path_rate}; LR {args.size}x{args.size}, batch {args.batch_size}, {args.dtype}")
+          f"drop_path_rate {cfg.model.model_args['drop_path_rate']}; LR {args.size}x{args.size}, batch "
+          f"{args.batch_size}, {args.dtype}")
     print(f"matmul peak {args.dtype}: {peak_flops / 1e9:.1f} GFLOP/s (n={peak_n}, median of the runs after each step)"
           + (f"; bf16: {bf16_peak / 1e9:.1f} GFLOP/s" if bf16_peak and dtype == torch.float32 else ""))
     print(f"model FLOPs per step: {flops_per_step / 1e9:.1f} GFLOP (forward + backward)")

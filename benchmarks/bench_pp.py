@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then train_pp.py arguments")
     args = parser.parse_args()
     train_args = [a for a in args.train_args if a != "--"] or [
-        "--config", "quickstart", "--depths", "[1,1,1,1]", "--num_heads", "[2,2,2,2]", "--batch_size", "8",
+        "--config", "quickstart", "--model_args", "{depths: [1,1,1,1], num_heads: [2,2,2,2]}", "--batch_size", "8",
         "--max_steps", "8", "--log_every", "1"]
     print(f"train_pp.py {' '.join(train_args)} --pp {args.nproc}")
     print(f"{'schedule':<18}{'microbatches':>12}  {'bubble per rank (measured)':<28}{'theory':>7}"

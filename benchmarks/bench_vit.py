@@ -88,11 +88,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build(args, device: torch.device):
     overrides = {"img_size": args.field, "batch_size": args.batch_size, "device": device.type,
-                 "amp_dtype": "none" if args.dtype == "fp32" else args.dtype, "drop_path_rate": 0.0}
+                 "amp_dtype": "none" if args.dtype == "fp32" else args.dtype, "model_args.drop_path_rate": 0.0}
     for key, value in (("patch_size", args.patch_size), ("embed_dim", args.embed_dim),
                        ("depths", args.depth and [args.depth]), ("num_heads", args.num_heads and [args.num_heads])):
         if value:
-            overrides[key] = value
+            overrides[f"model_args.{key}"] = value
     cfg = build_config(args.config, overrides)
     if cfg.model.model != "vit":
         raise ConfigError(f"config {args.config!r} is not a ViT config (model: {cfg.model.model}); "

@@ -8,8 +8,8 @@ with the keyword arguments it names among:
 - the data's, the model contract (docs/part4-your-model.md): ``in_chans``, ``out_chans``, ``img_size`` (height,
   width), ``upscale``, ``mean`` and ``std`` (per channel, physical units: a model fed physical units normalises
   inside, as models/common.py's ``PhysicalUnitsModel`` does);
-- for the models of this package, the config's model keys (``embed_dim``, ``depths``, ...: ``--embed_dim 16``);
-- ``model_args``, your model's own arguments from the config (they win).
+- ``model_args``, the model's own arguments (a built-in model's ``embed_dim``, ``depths``, ...:
+  ``--model_args.embed_dim 16``), over its builder's defaults (:func:`model_arguments`).
 
 Then it checks what the techniques rely on: an ``nn.Module``, whose complex parameters (a spectral layer's weights,
 as neuraloperator stores them) it stores as their real view, since fused AdamW, FSDP2 and DCP refuse complex ones
@@ -19,7 +19,6 @@ traceback.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import inspect
 import sys
@@ -27,6 +26,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
+import yaml
 from torch.nn.utils import parametrize
 
 from .spec import ModelSpec, built_in, built_in_names, target_spec
@@ -34,7 +34,7 @@ from .spec import ModelSpec, built_in, built_in_names, target_spec
 # The built-in models (models/<name>/: the network and its spec) are imported where a config names them, not here:
 # their specs' memory descriptions use the helpers of utils/, which import this module.
 __all__ = ["ModelError", "build_model", "config_spec", "count_parameters", "fixed_input_size", "load_model_class",
-           "on_meta"]
+           "accepted_arguments", "model_arguments", "on_meta"]
 
 DATA_ARGS = ("in_chans", "out_chans", "img_size", "upscale", "mean", "std", "out_mean", "out_std")
 """What a model may take from the data (resolved from it before the model is built)."""
@@ -87,23 +87,12 @@ def build_model(cfg) -> nn.Module:
         raise ModelError(f"model {cfg.model!r}: model_class is empty; build the config with utils.config."
                          "build_config, which names the built-in models' classes")
     target = load_model_class(cfg.model_class, cfg.model_path)
-    keys = {**dataclasses.asdict(cfg), "img_size": cfg.img_hw}
-    offered = {name: keys[name] for name in DATA_ARGS}
-    if cfg.model_class.startswith(f"{__name__}."):  # the built-in models read the config's own model keys
-        offered.update({k: v for k, v in keys.items() if k not in ("model", "model_class", "model_path", "model_args")})
     takes = _arguments(target, cfg.model_class)
-    wrong = sorted(set(cfg.model_args) - set(takes)) if None not in takes else []
-    if wrong:
-        raise ModelError(f"model_args {', '.join(wrong)}: not an argument of {cfg.model_class} (it takes "
-                         f"{', '.join(n for n in takes if n) or 'none'})")
-    kwargs = {**{k: v for k, v in offered.items() if k in takes or None in takes}, **cfg.model_args}
+    data = {**{name: getattr(cfg, name) for name in DATA_ARGS}, "img_size": cfg.img_hw}
+    kwargs = {**{k: v for k, v in data.items() if k in takes or None in takes}, **model_arguments(cfg, target)}
     if "mean" in kwargs and not kwargs["mean"]:
         raise ModelError("build_model: mean/std are empty; resolve them from the data first "
                          "(utils.data.era5.resolve_from_data) or set them in the config")
-    missing = [n for n, required in takes.items() if n and required and n not in kwargs]
-    if missing:
-        raise ModelError(f"{cfg.model_class} needs {', '.join(missing)}: set them in model_args (the data gives only "
-                         f"{', '.join(DATA_ARGS)})")
     try:
         model = target(**kwargs)
     except (TypeError, ValueError) as error:  # a constructor's own check of its arguments
@@ -157,17 +146,77 @@ def complex_state_dict(state_dict: dict) -> dict:
     return plain
 
 
-def _arguments(target: Callable, name: str) -> dict[Optional[str], bool]:
-    """{argument name: required?} of a class's constructor or a function; the key None if it takes **kwargs."""
+def model_arguments(cfg, target: Optional[Callable] = None) -> dict[str, Any]:
+    """The model's own arguments: ``cfg.model_args`` over its builder's defaults (those that are plain values:
+    numbers, strings, lists; another default, an object, stays the builder's own), the data's arguments left to the
+    data. The config's validation stores them back, so a config (and a checkpoint) names the whole model.
+
+    ModelError, in one line, for an argument the builder does not take, one it needs that is not given, or a value
+    of another kind than its default (a list for a number)."""
+    target = target or load_model_class(cfg.model_class, cfg.model_path)
+    takes = _arguments(target, cfg.model_class)
+    wrong = sorted(set(cfg.model_args) - set(takes)) if None not in takes else []
+    if wrong:
+        raise ModelError(f"model_args {', '.join(wrong)}: not an argument of {cfg.model_class} (it takes "
+                         f"{', '.join(n for n in takes if n and n not in DATA_ARGS) or 'none'})")
+    defaults = {n: _plain(d) for n, d in takes.items() if n and n not in DATA_ARGS and _plain(d) is not _NOT_PLAIN}
+    args = {**defaults, **{n: _typed(n, v, takes.get(n, _EMPTY)) for n, v in cfg.model_args.items()}}
+    missing = [n for n, d in takes.items() if n and d is _EMPTY and n not in args and n not in DATA_ARGS]
+    if missing:
+        raise ModelError(f"{cfg.model_class} needs {', '.join(missing)}: set them in model_args (the data gives only "
+                         f"{', '.join(DATA_ARGS)})")
+    return args
+
+
+def accepted_arguments(cfg) -> Optional[set[str]]:
+    """The names of the arguments the model's builder takes (None: any, it takes **kwargs)."""
+    takes = _arguments(load_model_class(cfg.model_class, cfg.model_path), cfg.model_class)
+    return None if None in takes else set(takes)
+
+
+_EMPTY, _NOT_PLAIN = inspect.Parameter.empty, object()
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as a config holds it (a tuple as a list), or _NOT_PLAIN if YAML cannot hold it."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)) and all(_plain(v) is v for v in value):
+        return list(value)
+    return _NOT_PLAIN
+
+
+def _typed(name: str, value: Any, default: Any) -> Any:
+    """``value`` checked against the kind of the argument's default (a whole number for a float's is that float)."""
+    if default is _EMPTY or default is None or value is None:
+        return value
+    kinds = [(bool, "true or false"), (int, "a whole number"), (float, "a number"), (str, "a string"),
+             ((list, tuple), "a list")]
+    kind, said = next(((k, s) for k, s in kinds if isinstance(default, k)), (None, ""))
+    if isinstance(value, str) and kind not in (None, str):  # a command line's text: YAML's syntax, or 2,2 for a list
+        try:
+            items = value.strip().removeprefix("[").removesuffix("]").split(",")
+            value = [yaml.safe_load(v) for v in items if v.strip()] if kind == (list, tuple) else yaml.safe_load(value)
+        except yaml.YAMLError:
+            pass  # said below, as a value of the wrong kind
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is None or (isinstance(value, kind) and not (kind is int and isinstance(value, bool))):
+        return list(value) if kind == (list, tuple) else value
+    raise ModelError(f"model_args.{name}: expected {said} (its default is {default!r}), got {value!r}")
+
+
+def _arguments(target: Callable, name: str) -> dict[Optional[str], Any]:
+    """{argument name: its default (inspect.Parameter.empty: required)} of a class's constructor or a function; the
+    key None if it takes **kwargs."""
     try:
         parameters = inspect.signature(target).parameters.values()
     except (TypeError, ValueError):
         raise ModelError(f"model_class {name}: its arguments cannot be read (inspect.signature)") from None
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    takes: dict[Optional[str], bool] = {p.name: p.default is inspect.Parameter.empty
-                                        for p in parameters if p.kind in kinds}
+    takes: dict[Optional[str], Any] = {p.name: p.default for p in parameters if p.kind in kinds}
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        takes[None] = False
+        takes[None] = None
     return takes
 
 

@@ -18,8 +18,8 @@ The plan (:class:`ModelPlan`) says, for each technique (None: the technique refu
   name ("block": every transformer block or U-Net level; "layer": SwinIR's residual groups, RSTBs).
 - ``tp``: the tensor-parallel plan (DTensor ``ParallelStyle`` per module name, which attention modules
   hold heads to split, and whether their q, k, v are one fused Linear).
-- ``cp``: what context parallelism splits: "tokens" (the ViT: latitude bands of patch tokens, inside the
-  model) or "fields" (SwinIR: latitude bands of the input field, domain parallelism with halos).
+- ``cp``: what context parallelism splits: tokens (:class:`TokenPlan`; the ViT: latitude bands of patch tokens,
+  inside the model) or fields (:class:`FieldPlan`; SwinIR: latitude bands of the input field, with halos).
 - ``stages``: where a pipeline may cut the model (the attribute holding its units, what the first stage
   keeps before them and the last after them).
 
@@ -63,12 +63,40 @@ class TensorParallelPlan:
 
 
 @dataclass(frozen=True)
+class TokenPlan:
+    """cp of the ViT's kind: how context parallelism splits a model's sequence of patch tokens into latitude bands
+    (utils/parallel/context_parallel.py applies it)."""
+
+    grid: Callable[[Any], tuple[int, int]]
+    """model -> the (rows, columns) of its token grid: a band is whole rows."""
+    first: Callable[[Any], Any]
+    """model -> the module whose input, the (batch, tokens, channels) sequence, is cut to this rank's band."""
+    gathered: Callable[[Any], list[Any]]
+    """model -> the modules whose token outputs every band needs whole, all-gathered: each attention's keys and
+    values, and the last (the head), after which every rank holds the whole field again."""
+
+
+@dataclass(frozen=True)
+class FieldPlan:
+    """cp of SwinIR's kind: how domain parallelism splits a model's input field into latitude bands, with halos
+    (utils/parallel/domain_parallel.py applies it; its 'same' 3x3 convolutions get halos without being named)."""
+
+    rows: Callable[[dict], int]
+    """The model's arguments (model_args) -> the rows a band is a multiple of (SwinIR: its attention window)."""
+    shifted: Callable[[Any], list[Any]] = lambda model: []
+    """model -> the shifted-window blocks: each has ``roll(x, shift)`` (its cyclic shift of (B, H, W, C)),
+    ``attention_mask(H, W, x)`` and ``window_size``, which the technique replaces by their band versions."""
+    refuse: Callable[[Any], Optional[str]] = lambda model: None
+    """model -> why this built model cannot be split (one line with the fix), or None."""
+
+
+@dataclass(frozen=True)
 class ModelPlan:
     """One model's parallel plan (the module docstring says what each field means); None: the technique refuses it."""
 
     units: dict[str, Callable[[Any], list[Any]]] = field(default_factory=dict)
     tp: Optional[TensorParallelPlan] = None
-    cp: Optional[str] = None
+    cp: Optional[Union[TokenPlan, FieldPlan]] = None
     stages: Optional[StagePlan] = None
 
 
@@ -154,14 +182,18 @@ def built_in(name: str) -> ModelSpec:
 
 
 def check_heads(cfg) -> None:
-    """The checks of a transformer's depths and num_heads keys (SwinIR's and the ViT's), for their specs."""
-    m = cfg.model
-    if len(m.depths) != len(m.num_heads):
-        raise ValueError(f"depths {m.depths} and num_heads {m.num_heads} must have the same length")
-    if any(v <= 0 for v in m.depths + m.num_heads):
-        raise ValueError(f"depths {m.depths} and num_heads {m.num_heads} must be > 0")
-    if any(m.embed_dim % h for h in m.num_heads):
-        raise ValueError(f"embed_dim {m.embed_dim} must be divisible by every num_heads {m.num_heads}")
-    if [h for h in m.num_heads if h % cfg.dist.tp]:
-        raise ValueError(f"num_heads {m.num_heads} must be divisible by tp {cfg.dist.tp}: each tensor-parallel "
+    """The checks of a transformer's embed_dim, depths and num_heads arguments (SwinIR's and the ViT's), for their
+    specs (the config's model_args hold every argument by then: models.model_arguments)."""
+    a = cfg.model.model_args
+    depths, heads, dim = a["depths"], a["num_heads"], a["embed_dim"]
+    if not dim > 0:
+        raise ValueError(f"embed_dim must be > 0, got {dim}")
+    if len(depths) != len(heads):
+        raise ValueError(f"depths {depths} and num_heads {heads} must have the same length")
+    if any(v <= 0 for v in depths + heads):
+        raise ValueError(f"depths {depths} and num_heads {heads} must be > 0")
+    if any(dim % h for h in heads):
+        raise ValueError(f"embed_dim {dim} must be divisible by every num_heads {heads}")
+    if [h for h in heads if h % cfg.dist.tp]:
+        raise ValueError(f"num_heads {heads} must be divisible by tp {cfg.dist.tp}: each tensor-parallel "
                          "rank holds whole heads; use a tp that divides every num_heads")

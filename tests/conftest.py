@@ -41,8 +41,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 # A SwinIR small enough to train a few steps in seconds on 2 cores; tests add it to script calls.
-TINY_MODEL = ["--depths", "[2]", "--num_heads", "[2]", "--embed_dim", "16", "--img_size", "16",
-              "--drop_path_rate", "0", "--window_size", "8"]
+TINY_MODEL = ["--model_args", "{depths: [2], num_heads: [2], embed_dim: 16, drop_path_rate: 0, window_size: 8}",
+              "--img_size", "16"]
 
 
 @pytest.fixture(scope="session")
@@ -89,8 +89,7 @@ def ddp_reference_run(tiny_data, tmp_path_factory) -> Path:
 
 
 # The ViT forecaster in miniature (tests/test_vit_training.py, tests/test_mp.py): 16x32 fields, patch 4.
-VIT_MODEL = ["--img_size", "[16, 32]", "--patch_size", "4", "--embed_dim", "16", "--depths", "[2]",
-             "--num_heads", "[2]"]
+VIT_MODEL = ["--img_size", "[16, 32]", "--model_args", "{patch_size: 4, embed_dim: 16, depths: [2], num_heads: [2]}"]
 # 2 files x 11 pairs / batch 4 = 5 steps per epoch: 7 steps cross the epoch boundary; validations at
 # steps 4 and 7; checkpoints at 3, 5 (end of epoch), 6 and 7.
 VIT_STEPS = ("--max_steps", "7", "--log_every", "1", "--val_every", "4", "--ckpt_every", "3",
@@ -124,7 +123,7 @@ def vit_reference(vit_data, tmp_path_factory) -> Path:
 # SC22's U-Net in miniature (tests/test_unet3d.py): 2 levels of 4 and 8 channels on 16^3 crops of 32^3 boxes,
 # 16 crops per epoch / batch 4 = 4 steps per epoch: 6 steps cross the epoch boundary; validations (the 8 crops
 # that tile the validation box) at steps 3 and 6; checkpoints at 2, 4 (end of epoch) and 6.
-UNET_MODEL = ["--crop_size", "16", "--widths", "[4, 8]", "--train_samples", "16", "--warmup_steps", "2"]
+UNET_MODEL = ["--crop_size", "16", "--model_args.widths", "[4, 8]", "--train_samples", "16", "--warmup_steps", "2"]
 UNET_STEPS = ("--max_steps", "6", "--log_every", "1", "--val_every", "3", "--ckpt_every", "2",
               "--keep_checkpoints", "10")
 

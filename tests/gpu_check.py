@@ -56,21 +56,21 @@ LADDER = {"device pipeline": "", "tf32": "", "bf16": "bf16 on a CPU may be emula
 
 # Sizes: the GPU's (chosen from FLOP counts to end within the budget on an H100, about 6-7 minutes; not yet run on
 # one), and the dry run's: the same code paths in seconds.
-TINY_SWINIR = ["--depths", "[2]", "--num_heads", "[2]", "--embed_dim", "16", "--window_size", "8"]
+TINY_SWINIR = ["--model_args", "{depths: [2], num_heads: [2], embed_dim: 16, window_size: 8}"]
 SIZES = {
     "gpu": dict(
         data=["--samples-per-year", "16", "--height", "181", "--width", "360"],
         full_size=["--steps", "2"], vit=["--steps", "2"],
         bench=["--config", "baseline", "--size", "64", "--batch_size", "16", "--dtype", "bf16", "--steps", "5",
-               "--warmup", "2", "--drop_path_rate", "0"],
-        train=["--config", "baseline", "--drop_path_rate", "0"],  # no stochastic depth: 2 graphs to compile, not 36
+               "--warmup", "2", "--model_args.drop_path_rate", "0"],
+        train=["--config", "baseline", "--model_args.drop_path_rate", "0"],  # no stochastic depth: 2 graphs, not 36
         profile=["--batch_size", "4", "--num_workers", "2"],
         ladder=["--steps", "6", "--breakdown-steps", "6", "--workers", "4"]),
     "tiny": dict(
         data=["--samples-per-year", "4", "--height", "33", "--width", "64"],
         full_size=["--steps", "1", "--lr_size", "16x32", "--", *TINY_SWINIR],
         vit=["--steps", "1", "--config", "vit_quickstart", "--batch", "2", "--", "--img_size", "[16, 32]",
-             "--patch_size", "4", "--embed_dim", "16", "--depths", "[1]", "--num_heads", "[2]"],
+             "--model_args", "{patch_size: 4, embed_dim: 16, depths: [1], num_heads: [2]}"],
         bench=["--config", "quickstart", "--size", "16", "--steps", "1", "--warmup", "0", "--peak_seconds", "0.02",
                "--peak_sizes", "256"],
         train=["--config", "quickstart", *TINY_SWINIR, "--img_size", "16"],

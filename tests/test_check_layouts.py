@@ -37,7 +37,7 @@ def test_a_model_without_plans_gets_data_parallel_layouts_only():
 
 def test_a_full_plan_gets_every_layout_and_the_config_sizes_them():
     cfg = build_config("vit_quickstart", {"batch_size": 8, "tp": 4})
-    plan = ModelPlan(tp=object(), cp="tokens", stages=object())
+    plan = ModelPlan(tp=object(), cp=object(), stages=object())
     rows = check_layouts.layouts(plan, 8, cfg, left_out="cp_reduction")
     assert [row.label for row in rows] == [
         "dp8 DDP", "dp8 FSDP", "dp8 HSDP(2 replicas)", "dp2 x tp4", "dp4 x cp2", "dp4 x cp2 without cp_reduction",
@@ -60,7 +60,8 @@ def test_batches_have_the_shapes_of_the_task(name, shapes):
     cfg = check_layouts.checked(build_config(name), args, 4)
     batches = check_layouts.random_batches(cfg, args.steps)
     assert len(batches) == 2 and [tuple(t.shape) for t in batches[0]] == shapes
-    assert cfg.model.mean and cfg.model.drop_path_rate == 0 and cfg.dist.warmup_steps == 0
+    assert cfg.model.mean and cfg.model.model_args.get("drop_path_rate", 0) == 0 and cfg.dist.warmup_steps == 0
+    assert ("drop_path_rate" in cfg.model.model_args) == (name != "unet3d_quickstart")  # the U-Net has none
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -1,5 +1,6 @@
 """Named configs, overrides, types and errors."""
 
+import re
 import subprocess
 import sys
 from unittest import mock
@@ -7,6 +8,9 @@ from unittest import mock
 import pytest
 
 import estimate_memory
+import utils.config_files as config_files
+from utils.checkpoint.files import CheckpointError
+from utils.checkpoint.state import check_model_settings
 from utils.config import (APPLIED_BY, CHECKED_SCRIPTS, KEYS, SECTIONS, ConfigError, build_config, field_docs,
                           load_named_configs, parse_config)
 from tests.conftest import REPO, exit_in_one_process
@@ -26,17 +30,46 @@ def test_baseline_is_the_tutorial():
     assert (cfg.data.crop_size, cfg.model.upscale, cfg.train.batch_size) == (128, 2, 16)
     assert (cfg.train.lr, cfg.train.weight_decay, cfg.train.lr_gamma) == (8e-4, 1e-6, 0.97)
     assert (cfg.train.loss, cfg.train.epochs, cfg.data.num_workers) == ("l1", 2, 4)
-    assert cfg.model.depths == [6] * 6 and cfg.model.embed_dim == 180 and cfg.data.data_dir == "datasets/era5"
+    assert cfg.model.model_args["depths"] == [6] * 6 and cfg.model.model_args["embed_dim"] == 180
+    assert cfg.data.data_dir == "datasets/era5"
     assert build_config("full_size").data.crop_size == 0 and build_config("full_size").train.batch_size == 1
 
 
 def test_merge_from_base_and_overrides():
-    cfg = build_config("quickstart", {"batch_size": "4", "depths": "[1, 1]", "num_heads": "2,2", "lr": "1e-3",
-                                      "pin_memory": "false"})
-    assert cfg.train.batch_size == 4 and cfg.model.depths == [1, 1] and cfg.model.num_heads == [2, 2]
-    assert cfg.train.lr == 1e-3
-    assert cfg.data.pin_memory is False
+    cfg = build_config("quickstart", {"batch_size": "4", "model_args.depths": "[1, 1]", "model_args.num_heads": "2,2",
+                                      "lr": "1e-3", "pin_memory": "false"})
+    assert cfg.train.batch_size == 4 and cfg.train.lr == 1e-3 and cfg.data.pin_memory is False
+    args = cfg.model.model_args  # the overridden ones, the quickstart's (over base's), and build's defaults
+    assert (args["depths"], args["num_heads"], args["embed_dim"], args["window_size"]) == ([1, 1], [2, 2], 32, 8)
+    assert args["img_range"] == 1.0 and args["resi_connection"] == "1conv" and len(args) == 10
     assert cfg.train.weight_decay == 1e-6  # inherited from base
+
+
+def test_the_old_flat_model_keys_still_read_with_one_line(capsys, monkeypatch):
+    monkeypatch.setattr(config_files, "_told_moved", False)
+    cfg = build_config("quickstart", {"embed_dim": "24", "drop_path_rate": 0, "widths": [4]})
+    assert cfg.model.model_args["embed_dim"] == 24 and cfg.model.model_args["depths"] == [2]
+    assert cfg.model.model_args["drop_path_rate"] == 0.0 and "widths" not in cfg.model.model_args  # SwinIR has none
+    unet = build_config("unet3d_quickstart", {"embed_dim": 24, "full_scale": True})  # a U-Net ignored embed_dim
+    assert unet.model.model_args == {"widths": [16, 32, 64, 128], "full_scale": True}
+    err = capsys.readouterr().err
+    assert err.count("note:") == 1 and "--model_args.embed_dim on the command line" in err, err
+    # a checkpoint of an older version: its config holds every flat key
+    old = {**build_config("quickstart").to_dict(), "model_args": {}, **build_config("quickstart").model.model_args,
+           "patch_size": 8, "widths": [64], "full_scale": True}
+    check_model_settings(old, build_config("quickstart"), "old.pt")  # the same model: resumes
+    with pytest.raises(CheckpointError, match=r"other settings: model_args.embed_dim 24 \(checkpoint: 32\);"):
+        check_model_settings(old, cfg, "old.pt")
+
+
+def test_model_args_are_checked_against_the_builder_in_one_line():
+    for overrides, message in [({"model_args.embed_dims": 16}, "model_args embed_dims: not an argument of "
+                                "models.swinir:build (it takes embed_dim, depths, num_heads, window_size"),
+                               ({"model_args.depths": 2}, "model_args.depths: expected a list (its default is "),
+                               ({"model_args.window_size": 0}, "window_size must be > 0, got 0"),
+                               ({"model_args.upsampler": ""}, "upsampler '' keeps the input's grid")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            build_config("quickstart", overrides)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -142,7 +142,7 @@ def test_one_device_checkpoint_resumes_in_compiled_ddp(runs, tiny_data, tmp_path
 def test_resume_with_stochastic_depth_on_two_ranks_is_exact(tiny_data, tmp_path):
     # Each rank draws its own drop-path masks from (seed, step, rank): nothing rank-specific needs
     # saving, and the resumed run repeats the uninterrupted one.
-    common = (*STEPS, "--max_steps", "6", "--drop_path_rate", "0.5")
+    common = (*STEPS, "--max_steps", "6", "--model_args.drop_path_rate", "0.5")
     reference = tmp_path / "reference"
     run_script("train_ddp.py", *tiny_args(tiny_data, reference, *common), ranks=2)
     resumed = resume_from(reference, 3, tmp_path / "resumed")

@@ -17,7 +17,7 @@ import sys
 from tests.conftest import REPO, run_script, tiny_args, vit_args
 
 ONE_STEP = ("--max_steps", "1", "--log_every", "1", "--val_every", "1", "--ckpt_every", "1", "--val_samples", "2")
-SWINIR_4 = ("--depths", "[1,1,1,1]", "--num_heads", "[2,2,2,2]")
+SWINIR_4 = ("--model_args.depths", "[1,1,1,1]", "--model_args.num_heads", "[2,2,2,2]")
 REPEATS = 3
 
 

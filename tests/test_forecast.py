@@ -264,8 +264,8 @@ def test_lead_and_missing_climatology(tmp_path, capsys):
     (root / "stats" / "time_means.npy").unlink()
     run = tmp_path / "run"
     args = ["--config", "vit_quickstart", "--data_dir", str(root), "--run_dir", str(run), "--channel_names", "[]",
-            "--key_channels", "[]", "--in_chans", "3", "--img_size", "[8, 16]", "--patch_size", "4",
-            "--embed_dim", "8", "--depths", "[1]", "--num_heads", "[2]", "--batch_size", "2"]
+            "--key_channels", "[]", "--in_chans", "3", "--img_size", "[8, 16]", "--model_args.patch_size", "4",
+            "--model_args", "{embed_dim: 8, depths: [1], num_heads: [2]}", "--batch_size", "2"]
     expect_error_in_process(capsys, *args, match="time_means.npy: no such file")
     expect_error_in_process(capsys, *args, "--lead", "5", match="lead 5 needs more than 5 samples")
     assert not run.exists()

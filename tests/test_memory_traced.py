@@ -58,7 +58,7 @@ def test_a_model_the_project_never_saw_within_10_percent_of_its_measured_peak():
     assert estimate_traced(cfg, 4, "fsdp", "cpu").params_detail["sharded_param"] == pytest.approx(params / 2, rel=0.1)
 
 
-UNET = ["--config", "unet3d_quickstart", "--crop_size", "16", "--widths", "[4, 8]", "--batch_size", "2"]
+UNET = ["--config", "unet3d_quickstart", "--crop_size", "16", "--model_args.widths", "[4, 8]", "--batch_size", "2"]
 
 
 def test_a_model_without_a_description_is_traced_by_estimate_memory_and_plan(monkeypatch, tmp_path, capsys):

@@ -34,8 +34,8 @@ from utils.layouts.accepted import SCHEDULES
 
 
 # The ViT in miniature: 3 x 4 tokens of 4x4 patches, 4 blocks (4 units for 4 pipeline stages).
-VIT_TINY = ("--config", "vit_quickstart", "--img_size", "[12, 16]", "--patch_size", "4", "--in_chans", "3",
-            "--channel_names", "[]", "--embed_dim", "16", "--depths", "[4]", "--num_heads", "[2]")
+VIT_TINY = ("--config", "vit_quickstart", "--img_size", "[12, 16]", "--model_args.patch_size", "4", "--in_chans", "3",
+            "--channel_names", "[]", "--model_args", "{embed_dim: 16, depths: [4], num_heads: [2]}")
 
 
 def test_every_vit_layout_equals_one_process_and_a_missing_cp_reduction_is_caught():
@@ -157,7 +157,7 @@ def test_mesh_layout_and_its_errors():
 def test_models_without_a_plan_are_refused():
     with pytest.raises(ConfigError, match="the Linear has no tensor-parallel plan: use --tp 1"):
         apply_tp(torch.nn.Linear(2, 2), FakeMesh())
-    with pytest.raises(ConfigError, match=r"the Linear has no context-parallel \(cp: tokens or fields\) plan: use --cp 1"):
+    with pytest.raises(ConfigError, match=r"the Linear has no context-parallel \(cp: TokenPlan or FieldPlan\) plan: use --cp 1"):
         apply_cp(torch.nn.Linear(2, 2), FakeMesh())
 
 

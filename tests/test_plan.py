@@ -18,6 +18,7 @@ import json
 import shlex
 
 import pytest
+import yaml
 
 import plan as plan_script
 from tests.conftest import VIT_MODEL, read_metrics, run_script
@@ -58,8 +59,7 @@ tiny-gpus:
 
 
 def tiny_vit(**extra):
-    overrides = {key.removeprefix("--"): json.loads(value) if value.startswith("[") else int(value)
-                 for key, value in TINY_VIT.items()}
+    overrides = {key.removeprefix("--"): yaml.safe_load(value) for key, value in TINY_VIT.items()}
     return build_config("vit_quickstart", {**overrides, "batch_size": 8, **extra})
 
 
@@ -149,7 +149,7 @@ def test_every_layout_respects_what_the_scripts_check(name, overrides):
     assert layouts
     for layout in layouts:
         assert layout.dp * layout.tp * layout.cp * layout.pp == 4
-        assert all(h % layout.tp == 0 for h in cfg.model.num_heads)
+        assert all(h % layout.tp == 0 for h in cfg.model.model_args.get("num_heads", []))
         if layout.pp > 1:
             assert (layout.batch_size // layout.dp) % layout.pp_microbatches == 0
             assert layout.pp * STAGES_PER_RANK[layout.pp_schedule] <= units

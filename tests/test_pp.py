@@ -28,7 +28,7 @@ from tests.test_vit_training import assert_equals_single_device, assert_resumed_
 from utils.config import ConfigError, build_config
 from utils.parallel.pipeline_parallel import balanced_split, bubble_theory, cut_stage, plan_for, stage_ids
 
-SWINIR_4 = ("--depths", "[1,1,1,1]", "--num_heads", "[2,2,2,2]")
+SWINIR_4 = ("--model_args.depths", "[1,1,1,1]", "--model_args.num_heads", "[2,2,2,2]")
 
 
 def test_every_swinir_layout_equals_one_process():
@@ -37,7 +37,7 @@ def test_every_swinir_layout_equals_one_process():
     # across the pipelines (the long skip passed along); ZB-V refuses activation checkpointing in one line (ZB-V
     # itself: the end-to-end run below). (SwinIR's DDP, FSDP and HSDP: tests/test_ddp.py and test_fsdp.py, end to
     # end; its cp: tests/test_domain_parallel.py.)
-    code, rows = check_layouts("--config", "quickstart", *SWINIR_4, "--embed_dim", "16", "--img_size", "16",
+    code, rows = check_layouts("--config", "quickstart", *SWINIR_4, "--model_args.embed_dim", "16", "--img_size", "16",
                                "--ac", "block", "--only", "tp,pp", "--steps", "2")
     assert code == 0
     ran = {r["layout"]: r for r in rows if "not_run" not in r}

@@ -50,7 +50,7 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "data
 # dropped). Value: "... ARGS" appends ARGS to it (the last value of a key wins); anything else is the
 # command run instead. {ws} is the scratch folder the commands run in. Commands not listed run as written;
 # a training script (train*.py, torchrun, the benchmarks that train) must be listed.
-TINY = " ".join(TINY_MODEL)  # conftest's 2-block SwinIR
+TINY = shlex.join(TINY_MODEL)  # conftest's 2-block SwinIR
 CROPS = "--crop_size 32 --n_patches 2 --num_workers 0"
 CPU_RUN = {
     # README.md
@@ -112,13 +112,13 @@ CPU_RUN = {
     "torchrun --standalone --nproc-per-node 2 train_mp.py --config vit_quickstart --tp 2 --run_dir runs/vit_tp2":
         "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 4 --batch_size 4",
     "torchrun --standalone --nproc-per-node 2 train_pp.py --config quickstart --pp 2 --pp_schedule zbv "
-    "--depths '[1,1,1,1]' --num_heads '[2,2,2,2]' --batch_size 8 --pp_microbatches 8 --max_steps 100 "
+    "--model_args.depths '[1,1,1,1]' --model_args.num_heads '[2,2,2,2]' --batch_size 8 --pp_microbatches 8 --max_steps 100 "
     "--run_dir runs/quickstart_pp2":
         "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 2",
     "torchrun --standalone --nproc-per-node 2 train_mp.py --config quickstart --cp 2 --run_dir runs/quickstart_cp2":
         "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 2",
-    "python check_layouts.py --config vit_quickstart --depths '[4]' --nproc 2 --left_out cp_reduction":
-        "... --img_size '[16, 32]' --patch_size 4 --embed_dim 32 --steps 2",  # the same rows, a smaller ViT
+    "python check_layouts.py --config vit_quickstart --model_args.depths '[4]' --nproc 2 --left_out cp_reduction":
+        "... --img_size '[16, 32]' --model_args.patch_size 4 --model_args.embed_dim 32 --steps 2",  # the same rows, a smaller ViT
     # docs/performance.md (the ladder's rungs' own keys may not follow --: no --num_workers here)
     "python benchmarks/ladder.py --config quickstart":
         f"... --steps 2 --breakdown-steps 1 --repeats 1 --rungs baseline -- {TINY} --crop_size 32 --n_patches 2 --val_samples 2",

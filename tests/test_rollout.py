@@ -26,7 +26,7 @@ from utils.observe.scores import latitude_weights
 SAMPLES = 6  # per file: 5 validation pairs at lead 1, 3 start times for 3 steps
 ROWS = H_STORED - 1  # the loader drops the last latitude row
 TINY_VIT = ["--config", "vit_quickstart", "--channel_names", "[]", "--key_channels", "[t2m, z500]", "--in_chans", "3",
-            "--img_size", "[8, 16]", "--patch_size", "4", "--embed_dim", "8", "--depths", "[1]", "--num_heads", "[2]",
+            "--img_size", "[8, 16]", "--model_args", "{patch_size: 4, embed_dim: 8, depths: [1], num_heads: [2]}",
             "--batch_size", "2", "--max_steps", "2", "--val_samples", "0", "--progress", "never"]
 
 

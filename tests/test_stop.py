@@ -152,9 +152,11 @@ def test_checkpoints_by_the_clock_change_nothing_else(tiny_data, reference_run, 
 
 def test_a_resume_with_other_model_settings_names_them(tiny_data, reference_run, tmp_path):
     run = resume_from(reference_run, 3, tmp_path / "run")
-    proc = run_script("train.py", *tiny_args(tiny_data, run, "--resume", "--embed_dim", "24"), in_process=True,
+    proc = run_script("train.py", *tiny_args(tiny_data, run, "--resume", "--model_args.embed_dim", "24"),
+                      in_process=True,
                       check=False)
-    last = check_error(proc.returncode, proc.stderr, 2, "holds a model built with other settings: embed_dim 24 "
+    last = check_error(proc.returncode, proc.stderr, 2, "holds a model built with other settings: "
+                       "model_args.embed_dim 24 "
                        "(checkpoint: 16); a resumed run must use the run's model settings")
     assert "step_00000003.pt" in last
 

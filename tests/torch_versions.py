@@ -46,8 +46,8 @@ def quick(config: str, steps: int = 4, val_samples: int = 4, *more: str) -> list
 
 VIT = quick("vit_quickstart", 4, 4, "--val_every", "0")  # tensor and context parallelism's model, and the rollout's
 # SwinIR in 4 RSTBs, as docs/beyond-data-parallel.md's laptop command for the pipelines.
-PIPELINE = quick("quickstart", 4, 8, "--pp", "2", "--depths", "[1,1,1,1]", "--num_heads", "[2,2,2,2]", "--batch_size",
-                 "8", "--pp_microbatches", "8")
+PIPELINE = quick("quickstart", 4, 8, "--pp", "2", "--model_args", "{depths: [1,1,1,1], num_heads: [2,2,2,2]}",
+                 "--batch_size", "8", "--pp_microbatches", "8")
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 # The packages whose versions follow the torch release rather than constraints.txt (besides torch's own tree).
 FOLLOW_TORCH = {"torch", "torchvision"}

@@ -33,10 +33,11 @@ import yaml
 
 from utils.cli import OneLineParser
 from utils.config_checks import validate
-from utils.config_files import CONFIG_DIR, ConfigError, load_named_configs, named_config
+from utils.config_files import (CONFIG_DIR, MOVED_TO_MODEL_ARGS, ConfigError, fold_moved_keys, load_named_configs,
+                                named_config, names_another_model)
 
 # Where configs come from (utils/config_files.py) and their value checks (utils/config_checks.py), for importers:
-__all__ = ["CONFIG_DIR", "ConfigError", "load_named_configs", "validate"]
+__all__ = ["CONFIG_DIR", "MOVED_TO_MODEL_ARGS", "ConfigError", "fold_moved_keys", "load_named_configs", "validate"]
 
 
 @dataclass
@@ -112,8 +113,9 @@ class ModelConfig:
     """Folder that holds model_class's module, if it is not on PYTHONPATH (default: the folder of --config_file);
     kept in checkpoints, so that rollout.py and a resume find the model again."""
     model_args: dict[str, Any] = field(default_factory=dict)
-    """Your model's own arguments (--model_args.NAME VALUE sets one); the data's (in_chans, out_chans, img_size,
-    upscale, mean, std) come by name, as the built-in models get them."""
+    """The model's own arguments, a built-in model's (embed_dim, depths, ...: its builder's, e.g. models/swinir/
+    network.py build) as yours: --model_args.NAME VALUE sets one; the config holds every one, its builder's defaults
+    filled in. The data's (in_chans, out_chans, img_size, upscale, mean, std) come by name, not through here."""
     upscale: int = 2
     """SwinIR: super-resolution factor; the data's low-res input is the high-res field downsampled by it."""
     in_chans: int = 3
@@ -121,34 +123,8 @@ class ModelConfig:
     out_chans: int = 5
     """U-Net: output channels, the target fields (SC22: 5); task diagnostic: len(target_channels) (set from them);
     SwinIR and the ViT otherwise output in_chans."""
-    widths: list[int] = field(default_factory=lambda: [64, 128, 256, 512, 512])
-    """U-Net: channels of each level of the down path; each level halves the side (SC22: 64, 128, 256, 512, 512)."""
-    full_scale: bool = True
-    """U-Net: one more level of widths[-1] channels (SC22's six levels; crops then divide by 64)."""
     img_size: list[int] = field(default_factory=lambda: [64])
     """Input size [height, width] ([S] = SxS). ViT: sizes the position embedding, inputs must have it; SwinIR: the low-res size the original expects, any input works."""
-    patch_size: int = 8
-    """ViT: side of the square patch each token embeds (tokens = height/patch x width/patch)."""
-    window_size: int = 8
-    """Side of the attention window in tokens."""
-    img_range: float = 1.0
-    """Scale of the (normalised) input, as in the original SwinIR."""
-    depths: list[int] = field(default_factory=lambda: [6, 6, 6, 6, 6, 6])
-    """Transformer blocks per stage: SwinIR, one entry per residual Swin transformer block (RSTB); ViT, one entry (its depth)."""
-    embed_dim: int = 180
-    """Channels of the token embedding."""
-    num_heads: list[int] = field(default_factory=lambda: [6, 6, 6, 6, 6, 6])
-    """Attention heads in each stage (one entry per entry of depths)."""
-    mlp_ratio: float = 2.0
-    """Hidden width of the MLP relative to embed_dim (SwinIR 2, ViT 4)."""
-    qkv_bias: bool = True
-    """Bias in the query/key/value projection."""
-    drop_path_rate: float = 0.1
-    """Stochastic-depth rate (0 makes runs comparable step by step)."""
-    upsampler: Literal["pixelshuffle", "pixelshuffledirect", "nearest+conv", ""] = "pixelshuffle"
-    """Reconstruction head; "" for no upsampling."""
-    resi_connection: Literal["1conv", "3conv"] = "1conv"
-    """Convolution at the end of each RSTB."""
     mean: list[float] = field(default_factory=list)
     """Per-channel mean subtracted inside the model; empty = <data_dir>/stats/global_means.npy (NERSC's layout)."""
     std: list[float] = field(default_factory=list)
@@ -323,6 +299,9 @@ class Config:
     name: str = "default"
     stated: frozenset = frozenset()
     """Keys set on the command line: what the data may not replace (utils/data/era5.py's resolve_from_data)."""
+    moved: frozenset = frozenset()
+    """Model arguments given by their old flat keys (:func:`fold_moved_keys`): a model that does not take one drops
+    it, as every model but the built-in ones ignored those keys."""
 
     @property
     def target_chans(self) -> int:
@@ -433,8 +412,12 @@ def build_config(name: str, overrides: Optional[dict[str, Any]] = None, path: Op
     ``script_defaults`` replace the dataclass defaults for one script (train_with_profiling.py
     profiles unless told not to); the named config and the overrides still win over them.
     """
-    values, overrides = {**(script_defaults or {}), **named_config(name, path)}, dict(overrides or {})
-    args = [values.get("model_args") or {}, overrides.pop("model_args", None) or {}]
+    moved: set[str] = set()  # the model arguments given by their old flat keys
+    values = {**(script_defaults or {}), **named_config(name, path, moved)}
+    overrides = fold_moved_keys(dict(overrides or {}), moved)
+    given = overrides.pop("model_args", None) or {}
+    args = [values.get("model_args") or {} if not names_another_model(values, overrides) else {},
+            _parse_value(given) if isinstance(given, str) else given]  # another model named here: its own only
     if not all(isinstance(a, dict) for a in args):
         raise ConfigError(f"model_args must map your model's argument names to values, got {args}")
     args = {**args[0], **args[1]}  # merged name by name, as --model_args.NAME VALUE is
@@ -454,7 +437,7 @@ def build_config(name: str, overrides: Optional[dict[str, Any]] = None, path: Op
         section, _ = KEYS[key]
         hint = _resolved_types(SECTIONS[section])[key]
         sections[section][key] = _coerce(key, value, hint)
-    cfg = Config(**{s: SECTIONS[s](**kv) for s, kv in sections.items()}, name=name, stated=stated)
+    cfg = Config(**{s: SECTIONS[s](**kv) for s, kv in sections.items()}, name=name, stated=stated, moved=frozenset(moved))
     validate(cfg)
     return cfg
 
@@ -520,6 +503,9 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
             flag = {"nargs": "?", "const": True} if bool in (hints[f.name], *typing.get_args(hints[f.name])) else {}
             group.add_argument(f"--{f.name}", dest=f"cfg__{f.name}", metavar="V", default=argparse.SUPPRESS,
                                type=_parse_value, help=docs.get(f.name, ""), **flag)
+    for key in MOVED_TO_MODEL_ARGS:  # the old flags still read (build_config says where they moved)
+        parser.add_argument(f"--{key}", dest=f"cfg__{key}", default=argparse.SUPPRESS, type=_parse_value,
+                            help=argparse.SUPPRESS)
 
 
 def config_from_args(args: argparse.Namespace, script_defaults: Optional[dict[str, Any]] = None) -> Config:

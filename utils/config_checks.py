@@ -1,8 +1,8 @@
 """Value checks of a config that types alone do not catch (utils/config.py builds the config, then calls
 :func:`validate`); checks against the data are utils.data.era5.resolve_from_data's.
 
-The keys of the built-in models (embed_dim, depths, ...) are checked here; a model of yours (``model_class``)
-checks its ``model_args`` in its own constructor, and the model contract is checked when it is built.
+Every model's arguments (``model_args``) are checked against its builder's signature here, and by its spec's own
+check (the built-in models': heads that divide embed_dim, ...); the model contract is checked when it is built.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ def validate(cfg) -> None:
     model's model_class."""
     d, m, t = cfg.data, cfg.model, cfg.train
     values = {**dataclasses.asdict(m), **dataclasses.asdict(d), **dataclasses.asdict(t), **dataclasses.asdict(cfg.dist)}
-    for key in ("batch_size", "upscale", "lead", "in_chans", "n_patches", "out_chans", "log_every", "dist_timeout_s",
-                *(("window_size", "embed_dim", "patch_size") if m.model in _built_in_names() else ())):
+    for key in ("batch_size", "upscale", "lead", "in_chans", "n_patches", "out_chans", "log_every", "dist_timeout_s"):
         if not 0 < values[key] < math.inf:  # NaN too
             raise ConfigError(f"{key} must be > 0, got {values[key]}")
     for key in ("max_steps", "epochs", "val_every", "ckpt_every", "ckpt_every_minutes", "keep_checkpoints",
@@ -108,7 +107,16 @@ def _built_in_spec(name: str):
 
 
 def _validate_model(cfg) -> None:
-    """What the model's spec says: the tasks it trains on, and its own checks of its keys (models/<name>/spec.py)."""
+    """The model's arguments (model_args over its builder's defaults, stored back), and what its spec says: the tasks
+    it trains on, and its own checks of its arguments (models/<name>/spec.py)."""
+    from models import accepted_arguments, model_arguments  # noqa: PLC0415 (imports torch: see _spec)
+    try:
+        takes = accepted_arguments(cfg.model) if cfg.moved else None
+        if takes is not None:  # an old flat key the model does not take was ignored: it still is
+            cfg.model.model_args = {k: v for k, v in cfg.model.model_args.items() if k in takes or k not in cfg.moved}
+        cfg.model.model_args = model_arguments(cfg.model)
+    except ValueError as error:  # models.ModelError: one line that says what to do
+        raise ConfigError(str(error)) from None
     spec = _spec(cfg.model)
     if cfg.data.task not in spec.tasks:
         raise ConfigError(f"model {cfg.model.model} trains on task {' or '.join(spec.tasks)}, not {cfg.data.task}: use "

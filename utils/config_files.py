@@ -3,12 +3,15 @@
 
 ``base`` crosses files, which YAML's merge key (``<<: *anchor``, used inside the project's files) cannot: a config
 of yours says ``base: vit_quickstart`` and then only what it changes. Bases chain (a base may have its own); a
-config's own keys win over its base's. The folder of your file goes on ``sys.path``, so that a ``model_class``
+config's own keys win over its base's, ``model_args`` as a whole, and a config that names another model does not
+take its base's model_args at all (:func:`over`). The folder of your file goes on ``sys.path``, so that a ``model_class``
 whose module lies beside the config imports without installing anything.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -46,9 +49,10 @@ def load_named_configs(path: Optional[Path] = None) -> dict[str, dict[str, Any]]
     return configs
 
 
-def named_config(name: str, path: Optional[Path] = None) -> dict[str, Any]:
-    """The keys of config ``name`` (from ``path``, else the project's files) with its bases merged in, without
-    the ``base`` key itself. A name in ``path`` hides the project's config of the same name."""
+def named_config(name: str, path: Optional[Path] = None, moved: Optional[set[str]] = None) -> dict[str, Any]:
+    """The keys of config ``name`` (from ``path``, else the project's files) with its bases merged in (:func:`over`),
+    without the ``base`` key itself. A name in ``path`` hides the project's config of the same name. ``moved``
+    collects the model arguments given by their old flat keys (:func:`fold_moved_keys`)."""
     configs = load_named_configs()
     if path is not None:
         configs = {**configs, **load_named_configs(path)}
@@ -68,5 +72,50 @@ def named_config(name: str, path: Optional[Path] = None) -> dict[str, Any]:
         name = str(base)
     values: dict[str, Any] = {}
     for link in reversed(chain):  # the farthest base first: each config's own keys win
-        values.update({k: v for k, v in configs[link].items() if k != BASE_KEY})
+        values = over(values, fold_moved_keys({k: v for k, v in configs[link].items() if k != BASE_KEY}, moved))
     return values
+
+
+def names_another_model(values: dict[str, Any], own: dict[str, Any]) -> bool:
+    """Whether ``own`` (a config over its base, or overrides over a config) names another model than ``values``."""
+    return any(key in own and own[key] != values.get(key) for key in ("model", "model_class"))
+
+
+def over(values: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
+    """``own``'s keys over ``values``'s, model_args name by name (as --model_args.NAME is). The model's arguments
+    belong to its model: a config that names another model than its base does not take the base's model_args (a
+    ViT's patch_size means nothing to your model)."""
+    merged = {**values, **own}
+    base = {} if names_another_model(values, own) else values.get("model_args", {})
+    if isinstance(base, dict) and isinstance(own.get("model_args", {}), dict):  # else build_config says what is wrong
+        merged["model_args"] = {**base, **own.get("model_args", {})}
+    return merged
+
+
+MOVED_TO_MODEL_ARGS = ("embed_dim", "depths", "num_heads", "window_size", "mlp_ratio", "qkv_bias", "drop_path_rate",
+                       "img_range", "upsampler", "resi_connection", "patch_size", "widths", "full_scale")
+"""The built-in models' own keys, flat config keys until they became model_args as any model's are: configs,
+command lines and checkpoints that still use them are read, with one line saying so (:func:`fold_moved_keys`)."""
+
+_told_moved = False
+
+
+def fold_moved_keys(values: dict[str, Any], moved: Optional[set[str]] = None) -> dict[str, Any]:
+    """``values`` (a flat config, overrides or a checkpoint's config) with the keys of :data:`MOVED_TO_MODEL_ARGS`
+    moved under model_args (its own entries win), said once per process, by rank 0; ``moved`` collects the names."""
+    names = [k for k in MOVED_TO_MODEL_ARGS if k in values]
+    if moved is not None:
+        moved.update(names)
+    if not names:
+        return values
+    global _told_moved
+    if not _told_moved and os.environ.get("RANK", "0") == "0":
+        print(f"note: {', '.join(names)} {'is a model argument' if len(names) == 1 else 'are model arguments'} now, "
+              f"read as such: write --model_args.{names[0]} on the command line, model_args: {{{names[0]}: ...}} in a "
+              "config", file=sys.stderr)
+        _told_moved = True
+    folded = {k: v for k, v in values.items() if k not in names}
+    args = values.get("model_args")
+    folded["model_args"] = {**{k: values[k] for k in names}, **(args if isinstance(args, dict) else {})}
+    return folded
+

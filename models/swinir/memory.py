@@ -47,10 +47,11 @@ class SwinIRShape(MemoryDescription):
 
     @classmethod
     def from_config(cls, m, target_chans: Optional[int] = None) -> "SwinIRShape":
-        side = min(m.img_hw)
-        window = m.window_size if side > m.window_size else side
-        return cls(m.in_chans, m.embed_dim, int(m.embed_dim * m.mlp_ratio), tuple(m.depths), tuple(m.num_heads),
-                   window, m.window_size, m.upscale, m.upsampler, m.resi_connection, m.qkv_bias, m.drop_path_rate)
+        side, a = min(m.img_hw), m.model_args
+        window = a["window_size"] if side > a["window_size"] else side
+        return cls(m.in_chans, a["embed_dim"], int(a["embed_dim"] * a["mlp_ratio"]), tuple(a["depths"]),
+                   tuple(a["num_heads"]), window, a["window_size"], m.upscale, a["upsampler"], a["resi_connection"],
+                   a["qkv_bias"], a["drop_path_rate"])
 
     @property
     def scale(self) -> int:
@@ -166,7 +167,7 @@ class SwinIRShape(MemoryDescription):
         kernel = attention_kernel(device_type)
         height, width = lr_size or lr_input_size(cfg, field)
         if cp > 1:
-            start, stop = band_bounds(height, cfg.model.window_size, cp)[0]
+            start, stop = band_bounds(height, self.pad_multiple, cp)[0]  # whole windows
             height = stop - start
         pm = self.pad_multiple
         padded = (math.ceil(height / pm) * pm, math.ceil(width / pm) * pm)

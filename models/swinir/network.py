@@ -582,10 +582,17 @@ def _strip_wrapper_prefixes(module, state_dict, prefix, *args) -> None:
             state_dict[prefix + stripped] = state_dict.pop(key)
 
 
-def build(img_size, in_chans: int, upscale: int, embed_dim: int, depths: Sequence[int], num_heads: Sequence[int],
-          window_size: int, mlp_ratio: float, qkv_bias: bool, drop_path_rate: float, img_range: float,
-          upsampler: str, resi_connection: str, mean: Sequence[float], std: Sequence[float]) -> SwinIR:
-    """SwinIR from the config's model keys (the name ``swinir`` stands for this function: models/__init__.py)."""
+def build(img_size, in_chans: int, upscale: int, mean: Sequence[float], std: Sequence[float], embed_dim: int = 180,
+          depths: Sequence[int] = (6, 6, 6, 6, 6, 6), num_heads: Sequence[int] = (6, 6, 6, 6, 6, 6),
+          window_size: int = 8, mlp_ratio: float = 2.0, qkv_bias: bool = True, drop_path_rate: float = 0.1,
+          img_range: float = 1.0, upsampler: str = "pixelshuffle", resi_connection: str = "1conv") -> SwinIR:
+    """SwinIR from the data's keys and the config's model_args, whose defaults are NREL's SwinIR for ERA5 (the name
+    ``swinir`` stands for this function: models/__init__.py). embed_dim: channels of the token embedding; depths:
+    Swin blocks of each residual group (RSTB); num_heads: attention heads in each; window_size: side of the
+    attention window in tokens; mlp_ratio: hidden width of the MLP relative to embed_dim; qkv_bias: bias in the
+    query/key/value projection; drop_path_rate: stochastic depth (0 makes runs comparable step by step);
+    img_range: scale of the normalised input; upsampler: pixelshuffle, pixelshuffledirect, nearest+conv or "" (none);
+    resi_connection: 1conv or 3conv at the end of each RSTB."""
     return SwinIR(img_size=img_size, in_chans=in_chans, upscale=upscale, embed_dim=embed_dim, depths=depths,
                   num_heads=num_heads, window_size=window_size, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
                   drop_path_rate=drop_path_rate, img_range=img_range, upsampler=upsampler,

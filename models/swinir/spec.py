@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from models.spec import ModelPlan, ModelSpec, StagePlan, TensorParallelPlan, check_heads, register
+from models.spec import FieldPlan, ModelPlan, ModelSpec, StagePlan, TensorParallelPlan, check_heads, register
 
 from . import network
 from .network import SwinIR
@@ -28,13 +30,36 @@ def swinir_styles(model: nn.Module) -> dict:
     return plan
 
 
+def refuse_bands(model: nn.Module) -> Optional[str]:
+    """Why this SwinIR's field cannot be split into bands of whole windows (None: it can)."""
+    if model.ape:
+        return ("domain parallelism does not split the absolute position embedding of a SwinIR built with ape=True "
+                "(this project's configs never build one): use cp 1")
+    if any(block.window_size != model.window_size for block in model.swin_blocks()):
+        return (f"img_size {model.patches_resolution} is not larger than window_size {model.window_size}; domain "
+                "parallelism needs whole windows: use a larger img_size")
+    return None
+
+
+def check(cfg) -> None:
+    """SwinIR's arguments: heads that divide embed_dim, a window of at least one token, an upsampler for task sr."""
+    check_heads(cfg)
+    window, upsampler = cfg.model.model_args["window_size"], cfg.model.model_args["upsampler"]
+    if not window > 0:
+        raise ValueError(f"window_size must be > 0, got {window}")
+    if cfg.data.task == "sr" and not upsampler:
+        raise ValueError("upsampler '' keeps the input's grid, and task sr's targets are upscale times finer: use "
+                         "upsampler pixelshuffle (or pixelshuffledirect, nearest+conv), or a task on one grid")
+
+
 SPEC = register(ModelSpec(
     SwinIR,
     ModelPlan(
         units={"block": lambda model: model.blocks(), "layer": lambda model: model.rstb_layers()},
         tp=TensorParallelPlan(swinir_styles, heads=lambda model: [b.attn.num_heads for b in model.swin_blocks()],
                               fused_qkv=lambda model: [b.attn for b in model.swin_blocks()], local_output=True),
-        cp="fields",
+        cp=FieldPlan(rows=lambda model_args: model_args["window_size"],
+                     shifted=lambda model: [b for b in model.swin_blocks() if b.shift_size], refuse=refuse_bands),
         stages=StagePlan("layers", stem=("conv_first", "patch_embed", "absolute_pos_embed", "pos_drop"),
                          tail=("norm", "conv_after_body", "conv_before_upsample", "upsample", "conv_last",
                                "conv_up1", "conv_up2", "conv_hr", "lrelu")),
@@ -42,6 +67,6 @@ SPEC = register(ModelSpec(
     name="swinir",
     build="models.swinir:build",
     memory="models.swinir.memory:SwinIRShape",
-    check=check_heads,
+    check=check,
     fresh_caches=network._cached_shift_mask.cache_clear,
 ))

@@ -28,7 +28,8 @@ class UNet3DShape(MemoryDescription):
 
     @classmethod
     def from_config(cls, m, target_chans: Optional[int] = None) -> "UNet3DShape":
-        return cls(m.in_chans, m.out_chans, tuple(m.widths) + ((m.widths[-1],) if m.full_scale else ()))
+        widths = m.model_args["widths"]
+        return cls(m.in_chans, m.out_chans, tuple(widths) + ((widths[-1],) if m.model_args["full_scale"] else ()))
 
     name = "U-Net"
 

@@ -40,8 +40,9 @@ class ViTShape(MemoryDescription):
 
     @classmethod
     def from_config(cls, m, target_chans: Optional[int] = None) -> "ViTShape":
-        return cls(m.in_chans, m.img_hw, m.patch_size, m.embed_dim, m.depths[0], m.num_heads[0],
-                   int(m.embed_dim * m.mlp_ratio), m.qkv_bias, m.drop_path_rate, target_chans or m.in_chans)
+        a = m.model_args
+        return cls(m.in_chans, m.img_hw, a["patch_size"], a["embed_dim"], a["depths"][0], a["num_heads"][0],
+                   int(a["embed_dim"] * a["mlp_ratio"]), a["qkv_bias"], a["drop_path_rate"], target_chans or m.in_chans)
 
     name = "ViT"
 

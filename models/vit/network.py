@@ -156,11 +156,15 @@ class ViT(PhysicalUnitsModel):
         return self.tail(*carry)
 
 
-def build(img_size, patch_size: int, in_chans: int, embed_dim: int, depths: Sequence[int], num_heads: Sequence[int],
-          mlp_ratio: float, qkv_bias: bool, drop_path_rate: float, mean: Sequence[float], std: Sequence[float],
-          out_mean: Sequence[float] = (), out_std: Sequence[float] = ()) -> ViT:
-    """The ViT from the config's model keys, whose depths and num_heads have one entry, as its one stage (the name
-    ``vit`` stands for this function: models/__init__.py)."""
+def build(img_size, in_chans: int, mean: Sequence[float], std: Sequence[float], out_mean: Sequence[float] = (),
+          out_std: Sequence[float] = (), patch_size: int = 8, embed_dim: int = 384, depths: Sequence[int] = (12,),
+          num_heads: Sequence[int] = (8,), mlp_ratio: float = 4.0, qkv_bias: bool = True,
+          drop_path_rate: float = 0.0) -> ViT:
+    """The ViT from the data's keys and the config's model_args, whose defaults are NERSC's ViT (the name ``vit``
+    stands for this function: models/__init__.py). patch_size: side of the square patch each token embeds;
+    embed_dim: channels of a token; depths and num_heads: one entry each, as its one stage (transformer blocks, and
+    attention heads in each); mlp_ratio: hidden width of the MLP relative to embed_dim; qkv_bias: bias in the
+    query/key/value projection; drop_path_rate: stochastic depth."""
     return ViT(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim, depth=depths[0],
                num_heads=num_heads[0], mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, drop_path_rate=drop_path_rate,
                mean=mean, std=std, out_mean=out_mean, out_std=out_std)

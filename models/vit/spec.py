@@ -6,7 +6,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-from models.spec import ModelPlan, ModelSpec, StagePlan, TensorParallelPlan, check_heads, register
+from models.spec import ModelPlan, ModelSpec, StagePlan, TensorParallelPlan, TokenPlan, check_heads, register
 
 from .network import ViT
 
@@ -38,14 +38,16 @@ def vit_styles(model: nn.Module) -> dict:
 def check(cfg) -> None:
     """The ViT's keys: one stage, whole patches."""
     check_heads(cfg)
-    m, t = cfg.model, cfg.train
-    if len(m.depths) != 1:
-        raise ValueError(f"the ViT has one stage: depths must have one entry (its depth), got {m.depths}")
+    m, t, a = cfg.model, cfg.train, cfg.model.model_args
+    if len(a["depths"]) != 1:
+        raise ValueError(f"the ViT has one stage: depths must have one entry (its depth), got {a['depths']}")
     if "layer" in (t.ac, cfg.dist.fsdp_unit):
         raise ValueError("ac/fsdp_unit 'layer' is SwinIR's RSTB; the ViT's unit is the transformer block: use block")
-    height, width = m.img_hw
-    if height % m.patch_size or width % m.patch_size:
-        raise ValueError(f"img_size {height}x{width} is not divisible by patch_size {m.patch_size}: "
+    height, width, patch = *m.img_hw, a["patch_size"]
+    if not patch > 0:
+        raise ValueError(f"patch_size must be > 0, got {patch}")
+    if height % patch or width % patch:
+        raise ValueError(f"img_size {height}x{width} is not divisible by patch_size {patch}: "
                          "use a patch size that divides both sides")
 
 
@@ -55,7 +57,8 @@ SPEC = register(ModelSpec(
         units={"block": lambda model: model.blocks()},
         tp=TensorParallelPlan(vit_styles, heads=lambda model: [b.attn.q.out_features // b.attn.head_dim
                                                                 for b in model.transformer]),
-        cp="tokens",
+        cp=TokenPlan(grid=lambda model: model.grid, first=lambda model: model.transformer[0],
+                     gathered=lambda model: [m for b in model.transformer for m in (b.attn.k, b.attn.v)] + [model.head]),
         stages=StagePlan("transformer", stem=("patch_embed", "pos_embed"), tail=("norm", "head")),
     ),
     name="vit",

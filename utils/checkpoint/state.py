@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from utils.checkpoint.files import CheckpointError
+from utils.config import fold_moved_keys
 
 WRAPPER_COMPONENTS = frozenset({"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 """Key components added by DDP / DataParallel, torch.compile, activation checkpointing and FSDP1."""
@@ -31,10 +32,15 @@ class TrainState:
 
 
 def check_model_settings(saved: dict, cfg, path) -> None:
-    """A resume must build the model that the checkpoint holds: name the model keys whose values differ."""
+    """A resume must build the model that the checkpoint holds: name the model keys (and model_args) whose values
+    differ; a checkpoint of an older version gives its model's arguments as flat keys."""
+    saved = fold_moved_keys(saved)
     differ = [f"{f.name} {getattr(cfg.model, f.name)!r} (checkpoint: {saved[f.name]!r})"
-              for f in dataclasses.fields(cfg.model) if f.name in saved and f.name != "model_path"  # where, not what
-              and saved[f.name] != getattr(cfg.model, f.name)]
+              for f in dataclasses.fields(cfg.model) if f.name in saved and f.name not in ("model_path", "model_args")
+              and saved[f.name] != getattr(cfg.model, f.name)]  # model_path: where, not what
+    args, held = cfg.model.model_args, saved.get("model_args") or {}
+    differ += [f"model_args.{k} {args[k]!r} (checkpoint: {held[k]!r})"
+               for k in args if k in held and args[k] != held[k]]
     if differ:
         raise CheckpointError(f"{path} holds a model built with other settings: {', '.join(differ)}; a resumed run "
                               "must use the run's model settings (drop those overrides)")

@@ -22,8 +22,7 @@ from utils.parallel.distributed import mp_mesh_layout
 from utils.parallel.domain_parallel import check_band_loss
 from utils.parallel.fsdp import mesh_shape
 from utils.parallel.pipeline_parallel import STAGES_PER_RANK, check_pipeline
-from utils.parallel.plans import ModelPlan, config_plan, model_plan
-from utils.parallel.tensor_parallel import check_heads
+from utils.parallel.plans import FieldPlan, ModelPlan, config_plan, model_plan
 
 SCHEDULES = tuple(STAGES_PER_RANK)
 PRECISIONS = {  # name -> (amp_dtype, param_dtype): fp32; bf16 autocast; bf16 parameters (FSDP2's policy) + autocast
@@ -134,13 +133,11 @@ def layout_config(cfg: Config, layout: Layout) -> Config:
                                pp_microbatches=layout.pp_microbatches if layout.pp > 1 else cfg.dist.pp_microbatches,
                                param_dtype=param, hsdp_replicas=layout.hsdp_replicas)
     new = dataclasses.replace(cfg, train=train, dist=dist)
-    validate(new)  # the config's own checks (heads % tp, ...)
+    validate(new)  # the config's own checks, the model spec's among them (a built-in model's heads % tp, ...)
     refuse_unapplied(new, layout.script)  # keys the script would ignore
     if layout.strategy == "mp":
         mp_mesh_layout(layout.world, layout.tp, layout.cp, new.dist.parallel_order)
-        for heads in new.model.num_heads:
-            check_heads(heads, layout.tp)
-        if layout.cp > 1 and config_plan(new.model).cp == "fields":
+        if layout.cp > 1 and isinstance(config_plan(new.model).cp, FieldPlan):
             check_band_loss(new)
     if layout.strategy == "hsdp":
         mesh_shape(layout.world, layout.hsdp_replicas)

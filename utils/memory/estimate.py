@@ -76,7 +76,7 @@ from utils.config import Config, ConfigError
 from utils.memory.graphs import Layer, held_after_forward, simulate_peak
 from utils.memory.shapes import model_shape
 from utils.parallel.pipeline_parallel import STAGES_PER_RANK, balanced_split, stage_ids
-from utils.parallel.plans import config_plan
+from utils.parallel.plans import FieldPlan, config_plan
 from utils.precision import dtype_bytes
 
 GB = 1e9  # decimal gigabytes, as utils.observe.flops.peak_memory_gb and nvidia-smi's "GB"
@@ -135,7 +135,7 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
     if strategy == "none" and world_size != 1:
         raise ConfigError(f"world_size {world_size} needs --strategy ddp or fsdp")
     if (tp > 1 or cp > 1) and strategy != "fsdp":
-        what = "domain parallelism" if cp > 1 and config_plan(cfg.model).cp == "fields" else "model parallelism"
+        what = "domain parallelism" if cp > 1 and isinstance(config_plan(cfg.model).cp, FieldPlan) else "model parallelism"
         raise ConfigError(f"{'cp' if cp > 1 else 'tp'} > 1 is train_mp.py's {what}, sharded with FSDP2 over dp x cp: "
                           "use --strategy fsdp with --world_size a multiple of tp x cp")
     if pp > 1 and (tp > 1 or cp > 1):

@@ -335,14 +335,14 @@ def batch_shapes(cfg: Config, lr_size: Optional[tuple[int, ...]] = None,
                  batch: Optional[int] = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Shapes of the (input, target) batch train.py feeds for the config (``batch``: default the global batch;
     ``lr_size``: default the model's input size, :func:`input_size`): task volume maps crop³ cubes of in_chans to
-    out_chans, SwinIR's upsampler enlarges the field, the others keep it."""
+    out_chans, super-resolution enlarges the field by upscale, the others keep it."""
     m = cfg.model
     batch = batch or cfg.train.batch_size
     lr_size = tuple(lr_size or input_size(cfg))
     if cfg.data.task == "volume":
         side = (lr_size[0],) * 3
         return (batch, m.in_chans, *side), (batch, m.out_chans, *side)
-    scale = m.upscale if cfg.data.task == "sr" and m.upsampler else 1  # a forecast or a box: the same grid
+    scale = m.upscale if cfg.data.task == "sr" else 1  # a forecast or a box: the same grid
     return (batch, m.in_chans, *lr_size), (batch, cfg.target_chans, lr_size[0] * scale, lr_size[1] * scale)
 
 

@@ -1,8 +1,10 @@
-"""Context parallelism for the ViT: each rank of the "cp" mesh dimension holds one latitude band of tokens.
-(SwinIR's cp is domain parallelism, a band of the field itself: utils/parallel/domain_parallel.py; ``apply_cp`` picks.)
+"""Context parallelism (the ViT's): each rank of the "cp" mesh dimension holds one latitude band of tokens.
+(SwinIR's cp is domain parallelism, a band of the field itself: utils/parallel/domain_parallel.py; ``apply_cp`` picks
+by the model's plan.)
 
-Applied from outside, with hooks, to a plain ``models.vit.ViT`` (after tensor parallelism, before
-activation checkpointing, compile and FSDP2):
+Applied from outside, with hooks, to a plain model whose plan says where its tokens are (models.spec.TokenPlan: the
+token grid, the first block, the modules whose outputs are gathered), after tensor parallelism, before activation
+checkpointing, compile and FSDP2:
 
 - before the first block, each cp rank keeps the rows of patch tokens of its band (whole rows of
   the token grid: a latitude band; uneven splits allowed, e.g. 45 rows over 2 ranks = 23 + 22);
@@ -31,7 +33,7 @@ from torch import nn
 
 from utils.config import ConfigError
 from utils.parallel.domain_parallel import apply_domain_parallel
-from utils.parallel.plans import missing_plan, model_plan
+from utils.parallel.plans import FieldPlan, TokenPlan, missing_plan, model_plan
 
 
 def band_rows(rows: int, cp: int) -> list[int]:
@@ -85,12 +87,12 @@ def apply_cp(model: nn.Module, cp_mesh) -> nn.Module:
     """
     if cp_mesh is None or cp_mesh.size() == 1:
         return model
-    splits = model_plan(model).cp
-    if splits == "fields":
+    plan = model_plan(model).cp
+    if isinstance(plan, FieldPlan):
         return apply_domain_parallel(model, cp_mesh)
-    if splits != "tokens":
-        raise missing_plan(model, "context-parallel (cp: tokens or fields)", "--cp 1")
-    rows, cols = model.grid
+    if not isinstance(plan, TokenPlan):
+        raise missing_plan(model, "context-parallel (cp: TokenPlan or FieldPlan)", "--cp 1")
+    rows, cols = plan.grid(model)
     sizes = [r * cols for r in band_rows(rows, cp_mesh.size())]
     rank, group = cp_mesh.get_local_rank(), cp_mesh.get_group()
     start = sum(sizes[:rank])
@@ -105,9 +107,7 @@ def apply_cp(model: nn.Module, cp_mesh) -> nn.Module:
         return gather_tokens(output, sizes, group)
 
     # prepend: the band is cut before tensor parallelism's own input hook turns x into a DTensor.
-    model.transformer[0].register_forward_pre_hook(keep_my_band, prepend=True)
-    for block in model.transformer:
-        block.attn.k.register_forward_hook(gather)  # after tensor parallelism's hooks: local tensors
-        block.attn.v.register_forward_hook(gather)
-    model.head.register_forward_hook(gather)
+    plan.first(model).register_forward_pre_hook(keep_my_band, prepend=True)
+    for module in plan.gathered(model):  # after tensor parallelism's hooks: local tensors
+        module.register_forward_hook(gather)
     return model

@@ -1,10 +1,11 @@
-"""Domain parallelism for SwinIR: the ranks of the "cp" mesh dimension split one field into latitude bands.
+"""Domain parallelism (SwinIR's): the ranks of the "cp" mesh dimension split one field into latitude bands.
 
 AMP, activation checkpointing and FSDP2 shrink what each layer stores and where the weights live, but
 never the activations of one sample: a 720 x 1440 field in fp32 needs ~97 GB for backward whatever
 the batch. Splitting the field itself does: each cp rank reads, computes and stores one band of rows
 (``band_bounds``: whole rows of attention windows, as even as possible), and the result equals one
-device's, because the three places where SwinIR looks across rows are given the whole field's meaning:
+device's, because the three places where SwinIR looks across rows are given the whole field's meaning (a model
+declares them in its plan, :class:`models.spec.FieldPlan`: its rows, its shifted-window blocks):
 
 - 3x3 convolutions need the row above and below a band, which belong to the neighbours: a halo
   exchange (``halo``) adds them before the convolution (zeros at the field's top and bottom, as the
@@ -44,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from utils.config import ConfigError
-from utils.parallel.plans import config_plan, missing_plan, model_plan
+from utils.parallel.plans import FieldPlan, config_plan, missing_plan, model_plan
 
 BICUBIC_REACH = 2
 """Rows a bicubic resize reads beyond the rows it maps (its 4 taps): the loader's and the baseline's halo."""
@@ -203,7 +204,7 @@ def ring_roll(x: torch.Tensor, shift: int, dim: int, bands: FieldBands) -> torch
     return _RingRoll.apply(x, shift, dim, bands)
 
 
-# ------------------------------------------------------------------ SwinIR's plan
+# ------------------------------------------------------------------ shifted windows (FieldPlan.shifted)
 
 
 def _band_roll(bands: FieldBands, x: torch.Tensor, shift: int) -> torch.Tensor:
@@ -233,27 +234,26 @@ def _halo_conv(conv: nn.Conv2d, bands: FieldBands) -> None:
 
 
 def apply_domain_parallel(model: nn.Module, cp_mesh) -> nn.Module:
-    """Make a plain SwinIR compute one latitude band per rank of ``cp_mesh`` (1-D); in place, returned.
+    """Make a model whose plan splits fields (:class:`models.spec.FieldPlan`; SwinIR's) compute one latitude band per
+    rank of ``cp_mesh`` (1-D); in place, returned.
 
     Its input must then be this rank's band of the low-resolution field (``FieldBands.bounds``), and
     its output is the band of the high-resolution field.
     """
-    if model_plan(model).cp != "fields":
-        raise missing_plan(model, "domain-parallel (cp: fields)", "--cp 1")
-    if model.ape:
-        raise ConfigError("domain parallelism does not split the absolute position embedding of a SwinIR built "
-                          "with ape=True (this project's configs never build one): use cp 1")
-    bands = FieldBands(cp_mesh.get_local_rank(), cp_mesh.size(), model.window_size, cp_mesh.get_group())
+    plan = model_plan(model).cp
+    if not isinstance(plan, FieldPlan):
+        raise missing_plan(model, "domain-parallel (cp: FieldPlan)", "--cp 1")
+    refused = plan.refuse(model)
+    if refused:
+        raise ConfigError(refused)
+    # window 1: the hooks only exchange rows; where the bands lie (bounds, from the plan's rows) is the data's.
+    bands = FieldBands(cp_mesh.get_local_rank(), cp_mesh.size(), 1, cp_mesh.get_group())
     for module in model.modules():
         if isinstance(module, nn.Conv2d):
             _halo_conv(module, bands)
-    for block in model.swin_blocks():
-        if block.window_size != model.window_size:
-            raise ConfigError(f"img_size {model.patches_resolution} is not larger than window_size "
-                              f"{model.window_size}; domain parallelism needs whole windows: use a larger img_size")
-        if block.shift_size:
-            block.roll = functools.partial(_band_roll, bands)
-            block.attention_mask = functools.partial(_band_mask, block, bands)
+    for block in plan.shifted(model):
+        block.roll = functools.partial(_band_roll, bands)
+        block.attention_mask = functools.partial(_band_mask, block, bands)
     return model
 
 
@@ -266,12 +266,13 @@ def check_band_loss(cfg) -> None:
 
 
 def field_bands(cfg, cp_mesh) -> Optional[FieldBands]:
-    """This rank's band when the config's model splits its fields over ``cp_mesh`` (its plan's cp "fields", cp > 1),
+    """This rank's band when the config's model splits its fields over ``cp_mesh`` (its plan's cp a FieldPlan, cp > 1),
     else None (the ViT's context parallelism splits tokens inside the model: its ranks read whole fields)."""
-    if cp_mesh is None or cp_mesh.size() == 1 or config_plan(cfg.model).cp != "fields":
+    plan = config_plan(cfg.model).cp
+    if cp_mesh is None or cp_mesh.size() == 1 or not isinstance(plan, FieldPlan):
         return None
     check_band_loss(cfg)
-    return FieldBands(cp_mesh.get_local_rank(), cp_mesh.size(), cfg.model.window_size, cp_mesh.get_group())
+    return FieldBands(cp_mesh.get_local_rank(), cp_mesh.size(), plan.rows(cfg.model.model_args), cp_mesh.get_group())
 
 
 def band_loss(loss_fn: Callable, bands: Optional[FieldBands]) -> Callable:

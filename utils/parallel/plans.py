@@ -21,10 +21,12 @@ from __future__ import annotations
 from torch import nn
 
 from models import config_spec
-from models.spec import UNITS, ModelPlan, StagePlan, TensorParallelPlan, class_spec, register_plan
+from models.spec import (UNITS, FieldPlan, ModelPlan, StagePlan, TensorParallelPlan, TokenPlan, class_spec,
+                         register_plan)
 from utils.config import ConfigError
 
-__all__ = ["UNITS", "ModelPlan", "StagePlan", "TensorParallelPlan", "ac_units", "class_plan", "config_plan",
+__all__ = ["UNITS", "FieldPlan", "ModelPlan", "StagePlan", "TensorParallelPlan", "TokenPlan", "ac_units",
+           "class_plan", "config_plan",
            "missing_plan", "model_plan", "register_plan"]
 
 
