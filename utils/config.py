@@ -1,15 +1,16 @@
 """Named YAML configs -> typed dataclasses, with any key overridable on the command line.
 
 Every ``config/*.yaml`` holds named configs (``swinir.yaml``: Part I, ``vit.yaml``: Part II); names
-are unique across the files, so ``--config NAME`` finds any of them. Each config is a flat mapping
-that may start from another one of its file with YAML's merge key (``<<: *base``), as in NERSC's
-tutorials. A script does::
+are unique across the files, so ``--config NAME`` finds any of them. Each config is a flat mapping, but for
+``model_args`` (the model's own arguments, its builder's), that may start from another one of its file with YAML's
+merge key (``<<: *base``), as in NERSC's tutorials. A script does::
 
     cfg = parse_config(description=__doc__)            # --config NAME plus --any_key VALUE
 
 and gets a :class:`Config` whose sections (``cfg.data``, ``cfg.model``, ``cfg.train``,
 ``cfg.dist``, ``cfg.profile``) are dataclasses with one documented field per key. Keys are
-unique across sections, so the command line and the YAML stay flat: ``--batch_size 4``.
+unique across sections, so the command line and the YAML stay flat: ``--batch_size 4``; a model's argument is
+``--model_args.embed_dim 16``.
 Unknown keys, unknown config names and values of the wrong type are errors that say what is valid.
 """
 
