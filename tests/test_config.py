@@ -50,6 +50,8 @@ def test_the_old_flat_model_keys_still_read_with_one_line(capsys, monkeypatch):
     cfg = build_config("quickstart", {"embed_dim": "24", "drop_path_rate": 0, "widths": [4]})
     assert cfg.model.model_args["embed_dim"] == 24 and cfg.model.model_args["depths"] == [2]
     assert cfg.model.model_args["drop_path_rate"] == 0.0 and "widths" not in cfg.model.model_args  # SwinIR has none
+    both = build_config("quickstart", {"drop_path_rate": 0.5, "model_args": "{embed_dim: 8, depths: [1]}"})
+    assert both.model.model_args["drop_path_rate"] == 0.5 and both.model.model_args["embed_dim"] == 8  # none lost
     unet = build_config("unet3d_quickstart", {"embed_dim": 24, "full_scale": True})  # a U-Net ignored embed_dim
     assert unet.model.model_args == {"widths": [16, 32, 64, 128], "full_scale": True}
     err = capsys.readouterr().err
