@@ -415,10 +415,12 @@ def build_config(name: str, overrides: Optional[dict[str, Any]] = None, path: Op
     """
     moved: set[str] = set()  # the model arguments given by their old flat keys
     values = {**(script_defaults or {}), **named_config(name, path, moved)}
-    overrides = fold_moved_keys(dict(overrides or {}), moved)
-    given = overrides.pop("model_args", None) or {}
+    overrides = dict(overrides or {})
+    if isinstance(overrides.get("model_args"), str):  # a command line's mapping, as text
+        overrides["model_args"] = _parse_value(overrides["model_args"])
+    overrides = fold_moved_keys(overrides, moved)
     args = [values.get("model_args") or {} if not names_another_model(values, overrides) else {},
-            _parse_value(given) if isinstance(given, str) else given]  # another model named here: its own only
+            overrides.pop("model_args", None) or {}]  # another model named here: its own arguments only
     if not all(isinstance(a, dict) for a in args):
         raise ConfigError(f"model_args must map your model's argument names to values, got {args}")
     args = {**args[0], **args[1]}  # merged name by name, as --model_args.NAME VALUE is

@@ -115,11 +115,6 @@ def fold_moved_keys(values: dict[str, Any], moved: Optional[set[str]] = None) ->
               "config", file=sys.stderr)
         _told_moved = True
     args = values.get("model_args") or {}
-    if isinstance(args, str):  # a command line's mapping, not parsed yet
-        try:
-            args = yaml.safe_load(args) or {}
-        except yaml.YAMLError:
-            pass
     if not isinstance(args, dict):
         return values  # build_config says what is wrong with model_args
     folded = {k: v for k, v in values.items() if k not in names}
