@@ -13,6 +13,7 @@ FLOP/s measured right after it), so a slow moment of a shared machine affects bo
     python benchmarks/bench_model.py --dtype bf16          # under bf16 autocast, vs the bf16 peak
     python benchmarks/bench_model.py --config quickstart --size 16 --steps 1 --warmup 1   # tiny
     python benchmarks/bench_model.py --breakdown           # + time per FLOP-counted op, and the ceiling
+    python benchmarks/bench_model.py --dtype bf16 --roofline   # + a roofline by kernel class (benchmarks/roofline.py)
 
 --breakdown profiles a few more steps and splits the step time between the ops that FlopCounterMode
 counts (matmuls, convolutions, attention) and everything else. Its "ceiling" is the fraction of
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import roofline  # noqa: E402
 from models import build_model, count_parameters  # noqa: E402
 from utils.config import ConfigError, build_config  # noqa: E402
 from utils.precision import DTYPES as ALL_DTYPES  # noqa: E402
@@ -63,6 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="matmul sides swept for the peak (default: 1024 2048 4096 on a CPU, 4096 8192 on a GPU)")
     parser.add_argument("--breakdown", action="store_true",
                         help="profile 3 more steps: time per FLOP-counted op and the fraction's ceiling")
+    parser.add_argument("--roofline", action="store_true",
+                        help="profile 3 more steps: FLOPs, bytes and kernel time by kernel class against the "
+                             "measured matmul peak and copy bandwidth (benchmarks/roofline.py)")
     args = parser.parse_args(argv)
     for name in ("size", "batch_size", "steps"):
         if getattr(args, name) < 1:
@@ -260,12 +265,19 @@ def main(argv=None) -> int:
     if args.breakdown:
         seconds_by_op = seconds_in_ops(step, flops_by_op, device)
         ceiling = print_breakdown(flops_by_op, seconds_by_op, sec_per_step, peak_flops)
+    roof = None
+    if args.roofline:
+        roof = roofline.roofline(flops_by_op, roofline.bytes_by_op(step), roofline.self_seconds_by_op(step, device),
+                                  peak_flops, roofline.copy_bandwidth(device, 1 << (30 if device.type == "cuda" else 26)),
+                                  sec_per_step)
+        roofline.print_roofline(roof)
     print(json.dumps({
         "sec_per_step": sec_per_step, "flops_per_step": flops_per_step, "matmul_peak_flops": peak_flops,
         "fraction_of_peak": fraction, "sec_per_step_min": min(times), "samples_per_sec": args.batch_size / sec_per_step,
         "bf16_matmul_peak_flops": bf16_peak, "dtype": args.dtype, "device": name,
         "batch_size": args.batch_size, "size": args.size, "config": args.config,
         "fraction_ceiling": ceiling, "flops_by_op": flops_by_op, "seconds_by_op": seconds_by_op,
+        "roofline": roof,
     }))
     return 0
 

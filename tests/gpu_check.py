@@ -54,30 +54,30 @@ LADDER = {"device pipeline": "", "tf32": "", "bf16": "bf16 on a CPU may be emula
           "fused adamw": "the dry run climbs one rung", "compile": "inductor compiles for minutes on a CPU",
           "cuda graphs": ""}
 
-# Sizes: the GPU's (chosen from FLOP counts to end within the budget on an H100, about 6-7 minutes; not yet run on
-# one), and the dry run's: the same code paths in seconds.
+# Sizes: the GPU's (chosen from FLOP counts to end within the budget on an H100, about 6-7 minutes), and the dry
+# run's: the GPU's arguments followed by the ones that shrink them (a later value wins), so that the dry run
+# parses every GPU argument with its script's own parser and an argument a script no longer takes fails on a CPU.
 TINY_SWINIR = ["--model_args", "{depths: [2], num_heads: [2], embed_dim: 16, window_size: 8}"]
-SIZES = {
-    "gpu": dict(
-        data=["--samples-per-year", "16", "--height", "181", "--width", "360"],
-        full_size=["--steps", "2"], vit=["--steps", "2"],
-        bench=["--config", "baseline", "--size", "64", "--batch_size", "16", "--dtype", "bf16", "--steps", "5",
-               "--warmup", "2", "--model_args.drop_path_rate", "0"],
-        train=["--config", "baseline", "--model_args.drop_path_rate", "0"],  # no stochastic depth: 2 graphs, not 36
-        profile=["--batch_size", "4", "--num_workers", "2"],
-        ladder=["--steps", "6", "--breakdown-steps", "6", "--workers", "4"]),
-    "tiny": dict(
-        data=["--samples-per-year", "4", "--height", "33", "--width", "64"],
-        full_size=["--steps", "1", "--lr_size", "16x32", "--", *TINY_SWINIR],
-        vit=["--steps", "1", "--config", "vit_quickstart", "--batch", "2", "--", "--img_size", "[16, 32]",
-             "--model_args", "{patch_size: 4, embed_dim: 16, depths: [1], num_heads: [2]}"],
-        bench=["--config", "quickstart", "--size", "16", "--steps", "1", "--warmup", "0", "--peak_seconds", "0.02",
-               "--peak_sizes", "256"],
-        train=["--config", "quickstart", *TINY_SWINIR, "--img_size", "16"],
-        # tests/test_profiling.py checks the CPU memory timeline; here its export would be a third of the dry run
-        profile=["--batch_size", "2", "--memory_timeline", "false"],
-        ladder=["--steps", "2", "--breakdown-steps", "1", "--workers", "1"]),
-}
+GPU_SIZES = dict(
+    data=["--samples-per-year", "16", "--height", "181", "--width", "360"],
+    full_size=["--steps", "2"], vit=["--steps", "2"],
+    bench=["--config", "baseline", "--size", "64", "--batch_size", "16", "--dtype", "bf16", "--steps", "5",
+           "--warmup", "2", "--drop_path_rate", "0", "--roofline"],
+    train=["--config", "baseline", "--model_args.drop_path_rate", "0"],  # no stochastic depth: 2 graphs, not 36
+    profile=["--batch_size", "4", "--num_workers", "2"],
+    ladder=["--steps", "6", "--breakdown-steps", "6", "--workers", "4"])
+SHRINK = dict(
+    data=["--samples-per-year", "4", "--height", "33", "--width", "64"],
+    full_size=["--steps", "1", "--lr_size", "16x32", "--", *TINY_SWINIR],
+    vit=["--steps", "1", "--config", "vit_quickstart", "--batch", "2", "--", "--img_size", "[16, 32]",
+         "--model_args", "{patch_size: 4, embed_dim: 16, depths: [1], num_heads: [2]}"],
+    bench=["--config", "quickstart", "--size", "16", "--batch_size", "1", "--dtype", "fp32", "--steps", "1",
+           "--warmup", "0", "--peak_seconds", "0.02", "--peak_sizes", "256"],
+    train=["--config", "quickstart", *TINY_SWINIR, "--img_size", "16"],
+    # tests/test_profiling.py checks the CPU memory timeline; here its export would be a third of the dry run
+    profile=["--batch_size", "2", "--num_workers", "0", "--memory_timeline", "false"],
+    ladder=["--steps", "2", "--breakdown-steps", "1", "--workers", "1"])
+SIZES = {"gpu": GPU_SIZES, "tiny": {name: [*GPU_SIZES[name], *SHRINK[name]] for name in GPU_SIZES}}
 
 
 @dataclass
@@ -384,13 +384,24 @@ def judge_memory(prefix: str):
 
 
 def judge_bench(ran: Ran, check: Check) -> list[Row]:
+    """bench_model.py's step against the measured matmul peak; then one row per kernel class of its roofline."""
     result = last_json(ran.output, "fraction_of_peak")
     figures = {"dtype": result["dtype"], "batch": result["batch_size"], "size": result["size"],
                "sec_per_step": short(result["sec_per_step"]), "samples_per_sec": short(result["samples_per_sec"]),
                "achieved_tflops": short(result["flops_per_step"] / result["sec_per_step"] / 1e12),
                "matmul_peak_tflops": short(result["matmul_peak_flops"] / 1e12),
                "mfu_vs_measured_peak": short(result["fraction_of_peak"])}
-    return [Row("bench_model", "pass", figures=figures)]
+    roof = result.get("roofline")
+    if not roof:
+        return [Row("bench_model", "fail", "no roofline in the output", figures=figures)]
+    figures.update({f"{key}_ms": short(roof[f"{key}_seconds"] * 1e3) for key in ("kernel", "idle", "bound", "flop_bound")},
+                   copy_gb_per_s=short(roof["bandwidth"] / 1e9))
+    rows = [Row(f"roofline: {name}", "pass", figures={
+        "gflop": short(row["flops"] / 1e9), "gb": short(row["bytes"] / 1e9), "ms": short(row["seconds"] * 1e3),
+        "tflops": short(row["tflops"]), "gb_per_s": short(row["gb_per_s"]), "bound_ms": short(row["bound_seconds"] * 1e3),
+        "of_roof": short(row["of_roof"]), "bound_by": row["bound_by"]})
+        for name, row in sorted(roof["classes"].items(), key=lambda kv: -kv[1]["seconds"]) if row["seconds"]]
+    return [Row("bench_model", "pass", figures=figures), *rows]
 
 
 def trace_figures(path: Path) -> dict:

@@ -45,6 +45,11 @@ def test_dry_run_passes_what_a_cpu_can_run_and_reports_the_rest_as_skipped(tmp_p
                for name in settings)
     assert len([name for name in rows if name.startswith("vit_mp: ")]) == 2
     assert 0 < rows["bench_model"]["figures"]["mfu_vs_measured_peak"] < 1
+    # The roofline's classes: the matmuls carry FLOPs, every class moved bytes, and the kernels' time adds up.
+    roof = {name.split(": ")[1]: row["figures"] for name, row in rows.items() if name.startswith("roofline: ")}
+    assert {"matmul", "convolution", "elementwise", "optimizer"} <= roof.keys()
+    assert roof["matmul"]["gflop"] > 0 and roof["elementwise"]["gflop"] == 0 and all(r["gb"] > 0 for r in roof.values())
+    assert sum(r["ms"] for r in roof.values()) == pytest.approx(rows["bench_model"]["figures"]["kernel_ms"], rel=0.01)
     assert rows["profiling"]["figures"]["trace_mb"] > 0
     assert rows["ladder: device pipeline"]["figures"]["samples_per_sec"] > 0
     # The markdown: a title naming device and versions, then one table row per report row.
@@ -52,6 +57,18 @@ def test_dry_run_passes_what_a_cpu_can_run_and_reports_the_rest_as_skipped(tmp_p
     assert markdown.startswith(f"# GPU check: {env['device']}, torch {env['torch']}")
     table = [line for line in markdown.splitlines() if line.startswith("| ")]
     assert table[0] == "| item | status | s | figures | reason |" and len(table) == len(rows) + 2
+
+
+def test_the_dry_run_gives_every_script_the_gpu_arguments_first():
+    """The dry run's arguments are the GPU's, then what shrinks them: a GPU argument that its script no longer takes
+    fails the dry run (as --model_args.drop_path_rate did bench_model.py, whose flag is --drop_path_rate)."""
+    for name, gpu in gpu_check.GPU_SIZES.items():
+        assert gpu_check.SIZES["tiny"][name][:len(gpu)] == gpu, name
+    from benchmarks import bench_model
+
+    bench_model.parse_args(gpu_check.SIZES["tiny"]["bench"])
+    with pytest.raises(SystemExit):  # what the check passed before: exit 2, while the old dry run was green
+        bench_model.parse_args([*gpu_check.SIZES["tiny"]["bench"], "--model_args.drop_path_rate", "0"])
 
 
 def test_every_test_marked_cuda_is_run_by_the_check():

@@ -1,0 +1,157 @@
+"""A roofline of one training step by kernel class: what bounds the step (launches, memory, matmul), and how far.
+
+bench_model.py --roofline calls these. For every aten op a step runs, three numbers from three sources:
+
+- FLOPs: torch.utils.flop_counter.FlopCounterMode (matmuls, convolutions, attention; the rest count none);
+- bytes: the sizes of the op's input and output tensors, counted by a TorchDispatchMode below (views move nothing,
+  an in-place op reads and writes its tensor). This is the traffic of an ideal kernel that touches each operand
+  once: a lower bound of what the device's memory moves, which caches and re-reads can only raise;
+- time: the device time of the kernels each op launched itself (torch.profiler's self device time; on a CPU the
+  op's own CPU time), so that nested ops are counted once.
+
+Ops are grouped into kernel classes (matmul, attention, convolution, normalisation, elementwise, copies,
+optimizer). Per class: the achieved FLOP/s against the matmul peak measured in the same run, the achieved
+bandwidth against a device-to-device copy measured in the same run, and the class's bound,
+max(FLOPs / peak, bytes / bandwidth), the time a kernel at the roof would take. The step's bound is the sum of the
+class bounds; what the step takes beyond its kernels is time the device waited (launches, the host, syncs).
+
+PyTorch gives the FLOPs and the times; the byte count per op is hand-written here because nothing in PyTorch counts
+operand traffic per op (the profiler records shapes of inputs, not of outputs).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+CLASSES = ("matmul", "attention", "convolution", "normalisation", "elementwise", "copies", "optimizer")
+MATMULS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "_addmm_activation", "_scaled_mm", "linear"}
+# Data movement without arithmetic: the class a fusing compiler removes first.
+COPIES = {"copy_", "_to_copy", "clone", "cat", "stack", "roll", "constant_pad_nd", "reflection_pad2d",
+          "reflection_pad2d_backward", "index", "index_put_", "index_select", "gather", "scatter", "scatter_add_",
+          "pixel_shuffle", "pixel_unshuffle", "slice_backward", "select_backward", "narrow_copy", "repeat",
+          "new_zeros", "zero_", "fill_", "zeros_like", "_unsafe_index", "_unsafe_index_put"}
+NO_KERNEL = ("empty", "_local_scalar_dense", "set_", "resize_", "lift_fresh", "record_stream")
+
+
+def kernel_class(op: str) -> str:
+    """The class of an aten op given as "aten.mm", "aten::mm" or "mm"."""
+    name = op.replace("::", ".").split(".")[-1]
+    if name in MATMULS:
+        return "matmul"
+    if "attention" in name:
+        return "attention"
+    if "convolution" in name:
+        return "convolution"
+    if "norm" in name:
+        return "normalisation"
+    if name.startswith(("_fused_adam", "_fused_sgd", "_foreach_")):
+        return "optimizer"
+    if name in COPIES:
+        return "copies"
+    return "elementwise"
+
+
+def _nbytes(value) -> int:
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+def _is_view(func) -> bool:
+    """An op whose results alias an input without writing it (view, transpose, expand, detach...): no kernel."""
+    returns = func._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+class TrafficMode(TorchDispatchMode):
+    """Bytes read and written per aten op, as if each operand crossed memory once (see the module docstring)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes: dict[str, int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func.overloadpacket)
+        if not _is_view(func) and not name.split(".")[-1].startswith(NO_KERNEL):
+            self.bytes[name] += sum(map(_nbytes, tree_leaves((args, kwargs or {})))) + sum(map(_nbytes, tree_leaves(out)))
+        return out
+
+
+def bytes_by_op(step: Callable[[], None]) -> dict[str, int]:
+    """Operand bytes per op ("aten.mm") of one call of ``step``."""
+    with TrafficMode() as mode:
+        step()
+    return dict(mode.bytes)
+
+
+def self_seconds_by_op(step: Callable[[], None], device: torch.device, steps: int = 3) -> dict[str, float]:
+    """Seconds per step of the kernels each op launched itself (CPU: the op's own CPU time), by op ("aten.mm")."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    seconds: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        micros = event.self_device_time_total if device.type == "cuda" else event.self_cpu_time_total
+        if micros and event.key.startswith("aten::"):
+            seconds[event.key.replace("::", ".", 1)] += micros / 1e6 / steps
+    return dict(seconds)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, min_seconds: float = 0.2) -> float:
+    """Bytes/s of a device-to-device copy, counting what is read and what is written (the roofline's memory roof)."""
+    source = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    reps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < min_seconds:
+        target.copy_(source)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        reps += 1
+    return 2 * nbytes * reps / (time.perf_counter() - start)
+
+
+def roofline(flops: dict[str, float], traffic: dict[str, int], seconds: dict[str, float], peak_flops: float,
+             bandwidth: float, sec_per_step: float) -> dict:
+    """Per class and in total: FLOPs, bytes, kernel seconds, achieved rates, the bound and what sets it."""
+    classes = {name: {"flops": 0.0, "bytes": 0, "seconds": 0.0} for name in CLASSES}
+    for table, key in ((flops, "flops"), (traffic, "bytes"), (seconds, "seconds")):
+        for op, value in table.items():
+            classes[kernel_class(op)][key] += value
+    for row in classes.values():
+        compute, memory = row["flops"] / peak_flops, row["bytes"] / bandwidth
+        row.update(bound_seconds=max(compute, memory), bound_by="compute" if compute > memory else "memory",
+                   tflops=row["flops"] / row["seconds"] / 1e12 if row["seconds"] else 0.0,
+                   gb_per_s=row["bytes"] / row["seconds"] / 1e9 if row["seconds"] else 0.0,
+                   of_roof=max(compute, memory) / row["seconds"] if row["seconds"] else 0.0)
+    kernel = sum(row["seconds"] for row in classes.values())
+    bound = sum(row["bound_seconds"] for row in classes.values())
+    return {"classes": classes, "sec_per_step": sec_per_step, "kernel_seconds": kernel,
+            "idle_seconds": max(0.0, sec_per_step - kernel), "bound_seconds": bound,
+            "flop_bound_seconds": sum(flops.values()) / peak_flops, "peak_flops": peak_flops, "bandwidth": bandwidth}
+
+
+def print_roofline(result: dict) -> None:
+    print(f"roofline (matmul peak {result['peak_flops'] / 1e12:.1f} TFLOP/s, copy bandwidth "
+          f"{result['bandwidth'] / 1e9:.0f} GB/s, both measured here; bytes: each operand once):")
+    print(f"  {'class':14s} {'GFLOP':>8s} {'GB':>8s} {'ms':>8s} {'TFLOP/s':>8s} {'GB/s':>8s} {'bound ms':>9s} "
+          f"{'of roof':>8s}  bound by")
+    for name, row in sorted(result["classes"].items(), key=lambda kv: -kv[1]["seconds"]):
+        if row["seconds"] or row["bytes"]:
+            print(f"  {name:14s} {row['flops'] / 1e9:8.1f} {row['bytes'] / 1e9:8.2f} {row['seconds'] * 1e3:8.2f} "
+                  f"{row['tflops']:8.1f} {row['gb_per_s']:8.0f} {row['bound_seconds'] * 1e3:9.2f} "
+                  f"{row['of_roof']:8.0%}  {row['bound_by']}")
+    step, kernel, bound = result["sec_per_step"], result["kernel_seconds"], result["bound_seconds"]
+    print(f"  step {step * 1e3:.1f} ms = kernels {kernel * 1e3:.1f} ms + device idle {result['idle_seconds'] * 1e3:.1f} "
+          f"ms (launches, host, syncs); at the roof the kernels would take {bound * 1e3:.1f} ms "
+          f"(the FLOPs alone at peak: {result['flop_bound_seconds'] * 1e3:.1f} ms)")
