@@ -6,7 +6,7 @@
 # and for Part III's 3-D U-Net:
 #   make train-unet  virtualenv + install + synthetic N-body -> hydro boxes (if missing) + train.py --config unet3d_quickstart
 # and for your own netCDF / GRIB / Zarr data (datasets/convert.py):
-#   make install-data  the converter's readers (requirements-data.txt: xarray, netCDF4, h5netcdf, zarr, cfgrib)
+#   make install-data  the converter's further readers (requirements-data.txt: h5netcdf, cfgrib with ecCodes)
 #   make real-data     real ERA5 fields for its tests and examples (datasets/real: cfgrib's sample, from PyPI)
 # and on a machine with a CUDA GPU, with the torch already there (no .venv, no network):
 #   make gpu-check   tests/gpu_check.py: the CUDA tests, Steps 1-2 measured, MFU, profiling, the ladder; one report

@@ -106,6 +106,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.tile and args.overlap >= args.tile:
         raise ConfigError(f"--overlap {args.overlap} must be smaller than --tile {args.tile}")
     output_format(Path(args.out))
+    xarray()  # the store's writers, before any work: one line that names the one missing
     if Path(args.out).exists():
         raise DataError(f"--out {args.out} exists: choose another name, or delete it to predict again")
 

@@ -53,14 +53,14 @@ from tqdm import tqdm
 if __package__:  # imported as datasets.convert
     from .compute_stats import (FIELDS_KEY, STATS_DIR, DefaultsOnce, OneLineParser, StatsError, compute_stats,
                                 errors_as_one_line)
-    from utils.data.foreign import (DERIVED, INSTALL, ForeignDataError, Source, axis_order, common_times,
+    from utils.data.foreign import (DERIVED, INSTALL_BASE, ForeignDataError, Source, axis_order, common_times,
                           default_channels, grid, open_sources, parse_rename, read_rename_file, resolve_channel,
                           stored_unit, xr)
     from .make_synthetic_era5 import CHANNELS as SUPERBENCH_CHANNELS, NERSC_CHANNELS, _parse_split
 else:  # run as a script: datasets/ is on sys.path
     from compute_stats import (FIELDS_KEY, STATS_DIR, DefaultsOnce, OneLineParser, StatsError, compute_stats,
                                errors_as_one_line)
-    from utils.data.foreign import (DERIVED, INSTALL, ForeignDataError, Source, axis_order, common_times,
+    from utils.data.foreign import (DERIVED, INSTALL_BASE, ForeignDataError, Source, axis_order, common_times,
                          default_channels, grid, open_sources, parse_rename, read_rename_file, resolve_channel,
                          stored_unit, xr)
     from make_synthetic_era5 import CHANNELS as SUPERBENCH_CHANNELS, NERSC_CHANNELS, _parse_split
@@ -458,7 +458,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if xr is None:
-        parser.exit(2, f"{parser.prog}: error: xarray is not installed; {INSTALL}\n")
+        parser.exit(2, f"{parser.prog}: error: xarray is not installed; {INSTALL_BASE}\n")
     if args.coarsen < 1 or (args.step is not None and args.step < 1):
         parser.error("--coarsen and --step must be at least 1")
     with errors_as_one_line(parser, (ForeignDataError, StatsError), args.out,

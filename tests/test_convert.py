@@ -367,7 +367,7 @@ def test_every_bad_input_stops_with_one_line_and_writes_nothing(tmp_path, capsys
 def test_missing_readers_are_named_in_one_line(tmp_path, capsys):
     with mock.patch.object(convert, "xr", None):
         code, _, err = run(capsys, tmp_path / "any.nc", "--out", tmp_path / "o")
-    assert code == 2 and "xarray is not installed; pip install -r requirements-data.txt" in err
+    assert code == 2 and "xarray is not installed; pip install -r requirements.txt -c constraints.txt (make install)" in err
     (tmp_path / "f.grib").write_bytes(b"GRIB")
     with mock.patch.object(xr.backends, "list_engines", lambda: {}):
         code, _, err = run(capsys, tmp_path / "f.grib", "--out", tmp_path / "o")

@@ -1,6 +1,8 @@
 """Task diagnostic (Part IV): named input channels -> named target channels of the same time, through train.py,
 train_ddp.py, predict.py and evaluate.py, with its linear-regression baseline."""
 
+import textwrap
+
 import h5py
 import numpy as np
 import pytest
@@ -113,10 +115,46 @@ def test_the_linear_baseline_recovers_a_linear_relation():
     torch.testing.assert_close(fit(x[None])[0], y, rtol=1e-5, atol=1e-4)
 
 
+def test_a_task_declared_by_its_channels_on_the_command_line_trains_the_built_in_vit(vit_data, tmp_path):
+    run = tmp_path / "run"  # vit_quickstart is a forecast of 20 channels: three keys make it a diagnostic
+    said = run_script("train.py", "--config", "vit_quickstart", "--task", "diagnostic", "--input_channels", "[u10, v10]",
+                      "--target_channels", "[t2m]", "--data_dir", str(vit_data), "--run_dir", str(run), "--batch_size",
+                      "4", "--val_samples", "5", "--num_workers", "0", "--progress", "never", "--max_steps", "2",
+                      "--val_every", "2", *VIT_MODEL, in_process=True).stdout
+    assert "rmse: t2m " in said and "linear_rmse: t2m " in said
+    cfg = recorded_config(run / "checkpoints" / "step_00000002.pt")[0]
+    assert (cfg.model.in_chans, cfg.model.out_chans, cfg.data.channel_names, cfg.data.key_channels) == \
+        (2, 1, ["t2m"], ["t2m"])
+
+
+def test_a_bases_channel_keys_give_way_and_those_said_with_the_channels_must_agree(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text(textwrap.dedent(f"""
+        stats: {{base: vit_quickstart, mean: {[0.0] * 20}, std: {[1.0] * 20}}}  # of the base's 20 channels
+        wind: {{base: stats, task: diagnostic, input_channels: [u10, v10], target_channels: [t2m]}}
+        wind_said_after: {{base: wind, out_chans: 2}}
+        wind_said_beside: {{base: vit_quickstart, task: diagnostic, input_channels: [u10, v10], target_channels: [t2m],
+                            out_chans: 2}}
+        """))
+    cfg = build_config("wind", path=path)
+    assert (cfg.model.in_chans, cfg.model.out_chans, cfg.data.channel_names, cfg.data.key_channels) == \
+        (2, 1, ["t2m"], ["t2m"])  # vit_quickstart's key_channels [u10, t2m, z500]: the one among the targets
+    assert cfg.model.mean == cfg.model.std == []  # the data's, when it is read
+    for name in ("wind_said_after", "wind_said_beside"):
+        with pytest.raises(ConfigError, match=r"^out_chans 2 disagrees with target_channels \[t2m\] \(1 channel\)"):
+            build_config(name, path=path)
+
+
 @pytest.mark.parametrize("overrides, said", [
     ({"task": "diagnostic", "input_channels": ["t2m"], "target_channels": []}, "name both"),
     ({"input_channels": ["t2m"]}, "input_channels and target_channels are for task diagnostic"),
     ({"task": "diagnostic", "input_channels": ["t2m", "t2m"], "target_channels": ["tcwv"]}, "names a channel twice"),
+    ({"task": "diagnostic", "input_channels": ["t2m"], "target_channels": ["tcwv"], "in_chans": 3},
+     r"in_chans 3 disagrees with input_channels \[t2m\] \(1 channel\)"),
+    ({"task": "diagnostic", "input_channels": ["t2m"], "target_channels": ["tcwv"], "channel_names": ["a", "b"]},
+     r"channel_names \[a, b\] disagrees with target_channels \[tcwv\]"),
+    ({"task": "diagnostic", "input_channels": ["t2m"], "target_channels": ["tcwv"], "key_channels": ["t2m"]},
+     r"key_channels \[t2m\] are not among target_channels \[tcwv\]"),
 ])
 def test_channel_sets_that_cannot_work_are_refused_in_one_line(overrides, said):
     base = "vit_tcwv_quickstart" if overrides.get("task") else "vit_quickstart"

@@ -7,13 +7,13 @@ from __future__ import annotations
 import h5py
 import numpy as np
 import pytest
+import xarray as xr
 
 import evaluate
 import predict
 from tests.test_train import expect_error_in_process
 from utils.predict.scores import latitude_weights, over_time, per_time, verifying_times, zonal_spectrum
 
-xr = pytest.importorskip("xarray")  # requirements-data.txt, as predict.py's outputs
 S22, S67 = np.sin(np.deg2rad(22.5)), np.sin(np.deg2rad(67.5))
 
 

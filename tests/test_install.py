@@ -55,13 +55,17 @@ def read_requirements() -> dict[str, Requirement]:
     return reqs
 
 
-def installed_versions() -> dict[str, str]:
-    versions = {}
+def installed_distributions() -> dict[str, importlib.metadata.Distribution]:
+    found: dict[str, importlib.metadata.Distribution] = {}
     for dist in importlib.metadata.distributions():
         name = dist.metadata["Name"]
         if name:  # the first on sys.path wins, as for import
-            versions.setdefault(canonicalize_name(name), dist.version)
-    return versions
+            found.setdefault(canonicalize_name(name), dist)
+    return found
+
+
+def installed_versions() -> dict[str, str]:
+    return {name: dist.version for name, dist in installed_distributions().items()}
 
 
 def matches_pin(installed: str, locked: str) -> bool:

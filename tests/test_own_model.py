@@ -11,6 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -78,6 +79,18 @@ def picky(in_chans, mean, std, hidden):
     if hidden % 2:
         raise ValueError(f"hidden must be even, got {hidden}")
     return Mixer(in_chans, mean, std, hidden)
+
+
+class Pointwise(PhysicalUnitsModel):
+    """A diagnostic model in the contract: in_chans channels in, out_chans others out, each side's statistics."""
+
+    def __init__(self, in_chans, out_chans, mean, std, out_mean, out_std, hidden=8):
+        super().__init__()
+        self.register_normalization(mean, std, out_mean, out_std)
+        self.net = nn.Sequential(nn.Conv2d(in_chans, hidden, 1), nn.GELU(), nn.Conv2d(hidden, out_chans, 1))
+
+    def forward(self, x):
+        return self.net((x - self.data_mean) / self.data_std) * self.target_std + self.target_mean
 '''
 
 CONFIGS = '''
@@ -93,6 +106,15 @@ mixer_deeper:
   base: mixer
   model_args: {depth: 3}
 bare: {base: vit_quickstart, model: mine, model_class: "mymodels:Mixer"}
+t2m_from_wind:  # a task declared by its channels on a forecast base (20 channels): in_chans, out_chans, ... follow
+  base: vit_quickstart
+  task: diagnostic
+  input_channels: [u10, v10]
+  target_channels: [t2m]
+  model: pointwise
+  model_class: mymodels:Pointwise
+  max_steps: 3
+  val_every: 3
 loop_a: {base: loop_b}
 loop_b: {base: loop_a}
 orphan: {base: nowhere}
@@ -245,6 +267,26 @@ def test_it_trains_and_resumes_like_a_built_in_model(user_folder, vit_data, tmp_
     run_script("train.py", *args, "--max_steps", "6", "--resume", in_process=True)  # the checkpoint finds the model
     code, err = exit_in_one_process(capsys, "train.py", *args, "--model_args.hidden", "4", "--resume", "--max_steps", "8")
     assert code == 2 and "holds a model built with other settings: model_args" in err[-1], err
+
+
+def test_a_task_declared_by_its_channels_trains_a_model_of_yours_on_a_forecast_base(user_folder, vit_data, tmp_path,
+                                                                                     capsys):
+    args = ["--config_file", str(user_folder / "configs.yaml"), "--config", "t2m_from_wind", "--data_dir",
+            str(vit_data), "--run_dir", str(tmp_path / "run"), "--batch_size", "4", "--val_samples", "5",
+            "--progress", "never"]
+    said = run_script("train.py", *args, in_process=True).stdout
+    assert "rmse: t2m " in said and "linear_rmse: t2m " in said  # the target's name, not the base's 20 channels
+    val = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "val"][-1]
+    assert val["step"] == 3 and len(val["rmse"]) == len(val["linear_rmse"]) == 1
+    saved = torch.load(tmp_path / "run" / "checkpoints" / "step_00000003.pt", weights_only=False)["config"]
+    assert (saved["in_chans"], saved["out_chans"], saved["channel_names"], saved["key_channels"]) == \
+        (2, 1, ["t2m"], ["t2m"])
+    mean = np.load(vit_data / "stats" / "global_means.npy").reshape(-1)  # the data's: u10 0, v10 1, t2m 2
+    assert saved["mean"] == pytest.approx(mean[[0, 1]].tolist()) and saved["out_mean"] == pytest.approx([mean[2]])
+    # An out_chans of yours that contradicts the targets: one line that names both keys, exit 2.
+    code, err = exit_in_one_process(capsys, "train.py", *args, "--out_chans", "3")
+    assert code == 2 and err == ["train.py: error: out_chans 3 disagrees with target_channels [t2m] (1 channel): task "
+                                 "diagnostic takes out_chans from target_channels; drop out_chans"], err
 
 
 def test_a_complex_weight_model_resumes_exactly_and_loads_into_its_own_class(user_folder, vit_data, tmp_path):

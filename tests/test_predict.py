@@ -21,6 +21,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
+import xarray as xr
 
 import predict
 import rollout
@@ -33,7 +34,6 @@ from utils.predict.model import config_from_checkpoint, load_model
 from utils.predict.store import Store, channel_values
 from utils.tasks import build_task
 
-xr = pytest.importorskip("xarray")  # requirements-data.txt: predict.py's outputs need it
 SR_NAMES = ["kinetic energy 10 m", "temperature 2 m", "total column water vapour"]
 SR_VARIABLES = {"kinetic_energy_10_m", "2m_temperature", "total_column_water_vapour"}
 ROWS, COLS = 64, 128  # tiny_data's 65x128 fields, the last row dropped
@@ -299,14 +299,18 @@ def _vit_other_grid(tmp_path: Path) -> Path:
     ("grid the model cannot take", "cannot take a 8x16 grid of 20 channels"),
     ("another task", "--task forecast takes no other task"),
     ("steps for sr", "--steps is for forecasts"),
+    ("zarr not installed", "zarr is not installed: pip install -r requirements.txt -c constraints.txt (make install)"),
 ])
 def test_bad_input_is_one_line_and_leaves_nothing(case, match, reference_run, vit_reference, tiny_data, tmp_path,
-                                                  capsys):
+                                                  capsys, monkeypatch):
     out = tmp_path / "out.zarr"
     args = {"no checkpoint": ["--checkpoint", str(tmp_path / "nowhere")],
             "output in use": ["--checkpoint", str(reference_run)],
             "another task": ["--checkpoint", str(reference_run), "--task", "forecast"],
-            "steps for sr": ["--checkpoint", str(reference_run), "--steps", "2"]}.get(case)
+            "steps for sr": ["--checkpoint", str(reference_run), "--steps", "2"],
+            "zarr not installed": ["--checkpoint", str(reference_run)]}.get(case)
+    if case == "zarr not installed":  # an environment with xarray but not zarr (xarray imports zarr only on use)
+        monkeypatch.setitem(sys.modules, "zarr", None)
     if case == "output in use":
         out.mkdir()
     if case == "variable missing":

@@ -102,6 +102,7 @@ CPU_RUN = {
     "python train.py --config vit_tcwv_quickstart": "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 4 "
                                                     "--batch_size 4",
     "python train.py --config_file examples/fno/fno.yaml --config fno_quickstart --model_args.width 0": "... --max_steps 2",
+    "python train.py --config vit_tcwv_quickstart --out_chans 3": "... --max_steps 2",  # refused
     "python rollout.py --checkpoint runs/fno_quickstart --steps 8 --samples 32": "... --samples 2",
     "python check_layouts.py --config_file examples/fno/fno.yaml --config fno_quickstart --nproc 2": "... --steps 2",
     "torchrun --standalone --nproc-per-node 2 train_ddp.py --config_file examples/fno/fno.yaml --config fno_quickstart "

@@ -33,7 +33,7 @@ from typing import Any, Literal, Optional
 import yaml
 
 from utils.cli import OneLineParser
-from utils.config_checks import validate
+from utils.config_checks import take_channel_sets, validate
 from utils.config_files import (CONFIG_DIR, MOVED_TO_MODEL_ARGS, ConfigError, fold_moved_keys, load_named_configs,
                                 named_config, names_another_model)
 
@@ -60,9 +60,11 @@ class DataConfig:
     Volume) by import path module:Class, found as model_class is (model_path): its own metrics, baselines and picture
     on the task's data; empty: the built-in one."""
     input_channels: list[str] = field(default_factory=list)
-    """diagnostic: the channels the model reads, by the data's names (e.g. all but tcwv); in_chans follows."""
+    """diagnostic: the channels the model reads, by the data's names (e.g. all but tcwv); in_chans and mean/std
+    follow (a base config's give way; one said beside them must agree)."""
     target_channels: list[str] = field(default_factory=list)
-    """diagnostic: the channels it computes from them at the same time (e.g. [tcwv]); out_chans follows."""
+    """diagnostic: the channels it computes from them at the same time (e.g. [tcwv]); out_chans, out_mean/out_std,
+    channel_names and key_channels follow, as in_chans does input_channels."""
     channel_names: list[str] = field(default_factory=list)
     """Names of the data's channels in order; empty = the files' 'channels' attribute, else channel 0, 1, ...
     diagnostic and volume: the targets' names (the channels the metrics are reported for)."""
@@ -120,7 +122,8 @@ class ModelConfig:
     upscale: int = 2
     """SwinIR: super-resolution factor; the data's low-res input is the high-res field downsampled by it."""
     in_chans: int = 3
-    """Input and output channels; must equal the data's (SuperBench: 3, NERSC's ERA5: 20). U-Net: input channels (SC22: 4)."""
+    """Input and output channels; must equal the data's (SuperBench: 3, NERSC's ERA5: 20). U-Net: input channels (SC22: 4);
+    task diagnostic: len(input_channels) (set from them)."""
     out_chans: int = 5
     """U-Net: output channels, the target fields (SC22: 5); task diagnostic: len(target_channels) (set from them);
     SwinIR and the ViT otherwise output in_chans."""
@@ -414,7 +417,8 @@ def build_config(name: str, overrides: Optional[dict[str, Any]] = None, path: Op
     profiles unless told not to); the named config and the overrides still win over them.
     """
     moved: set[str] = set()  # the model arguments given by their old flat keys
-    values = {**(script_defaults or {}), **named_config(name, path, moved)}
+    origin: dict[str, int] = {}  # where each key was said: deeper is later (named_config), the command line last
+    values = {**(script_defaults or {}), **named_config(name, path, moved, origin)}
     overrides = dict(overrides or {})
     if isinstance(overrides.get("model_args"), str):  # a command line's mapping, as text
         overrides["model_args"] = _parse_value(overrides["model_args"])
@@ -427,6 +431,7 @@ def build_config(name: str, overrides: Optional[dict[str, Any]] = None, path: Op
     for key in [k for k in overrides if k.startswith("model_args.")]:
         args[key[len("model_args."):]] = overrides.pop(key)
     stated = frozenset(overrides) | (frozenset({"model_args"}) if args else frozenset())
+    origin.update(dict.fromkeys(overrides, max(origin.values(), default=0) + 1))
     values.update(overrides, model_args=args)
     if path is not None and (values.get("model_class") or values.get("task_class")) and not values.get("model_path"):
         values["model_path"] = str(path.resolve().parent)  # your model's (or task's) module beside your config
@@ -441,6 +446,7 @@ def build_config(name: str, overrides: Optional[dict[str, Any]] = None, path: Op
         hint = _resolved_types(SECTIONS[section])[key]
         sections[section][key] = _coerce(key, value, hint)
     cfg = Config(**{s: SECTIONS[s](**kv) for s, kv in sections.items()}, name=name, stated=stated, moved=frozenset(moved))
+    take_channel_sets(cfg, origin)
     validate(cfg)
     return cfg
 

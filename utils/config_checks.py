@@ -141,6 +141,47 @@ def _validate_volume(cfg) -> None:
                           f"and loss_space physical, not {t.loss} / {t.loss_space}")
 
 
+def take_channel_sets(cfg, origin: dict[str, int]) -> None:
+    """Task diagnostic, on any base config: in_chans and out_chans count input_channels and target_channels, the
+    metrics' channels are the targets (channel_names; key_channels: the base's among them, else the first three).
+
+    Which wins follows where each key was said (``origin``: utils/config_files.py's named_config, the command line
+    last). A key said with its channel set or after it (the same config, one built on it, the command line) is the
+    user's: if it disagrees, one line names both keys. One said before it belongs to a base's own data and gives
+    way, the base's statistics with it (mean/std, out_mean/out_std: then the data's, utils/data/era5.py)."""
+    d, m = cfg.data, cfg.model
+    if d.task != "diagnostic" or not d.input_channels or not d.target_channels:
+        return  # _validate_channel_sets says what is missing
+
+    def said_with(key: str, channel_set: str) -> bool:
+        return origin.get(key, -1) >= origin.get(channel_set, -1)
+
+    for section, key, channel_set, value in ((m, "in_chans", "input_channels", len(d.input_channels)),
+                                             (m, "out_chans", "target_channels", len(d.target_channels)),
+                                             (d, "channel_names", "target_channels", list(d.target_channels))):
+        if getattr(section, key) == value:
+            continue
+        if said_with(key, channel_set):
+            names = getattr(d, channel_set)
+            raise ConfigError(f"{key} {_shown(getattr(section, key))} disagrees with {channel_set} {_shown(names)} "
+                              f"({len(names)} channel{'s' * (len(names) != 1)}): task diagnostic takes {key} from "
+                              f"{channel_set}; drop {key}")
+        setattr(section, key, value)
+    for keys, channel_set in ((("mean", "std"), "input_channels"), (("out_mean", "out_std"), "target_channels")):
+        if not any(said_with(key, channel_set) for key in keys):
+            for key in keys:
+                setattr(m, key, [])
+    others = [name for name in d.key_channels if name not in d.target_channels]
+    if others and said_with("key_channels", "target_channels"):
+        raise ConfigError(f"key_channels {_shown(others)} are not among target_channels {_shown(d.target_channels)}: "
+                          "task diagnostic reports its targets; name key_channels among them, or drop key_channels")
+    d.key_channels = [name for name in d.key_channels if name in d.target_channels] or d.target_channels[:3]
+
+
+def _shown(value) -> str:
+    return f"[{', '.join(map(str, value))}]" if isinstance(value, list) else str(value)
+
+
 def _validate_channel_sets(d) -> None:
     """Task diagnostic names its inputs and targets (the data's channel names); no other task has channel sets."""
     if d.task != "diagnostic":

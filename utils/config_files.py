@@ -25,13 +25,21 @@ class ConfigError(ValueError):
     """A config problem, reported as one line that says what to do."""
 
 
-def load_named_configs(path: Optional[Path] = None) -> dict[str, dict[str, Any]]:
+class _OwnKeysLoader(yaml.SafeLoader):
+    """Reads mappings without YAML's merge key (``<<: *base``): what each named config says itself, beside what it
+    merged in (:func:`named_config`'s ``origin``)."""
+
+    def flatten_mapping(self, node):
+        node.value = [(key, value) for key, value in node.value if key.tag != "tag:yaml.org,2002:merge"]
+
+
+def load_named_configs(path: Optional[Path] = None, own: bool = False) -> dict[str, dict[str, Any]]:
     """All named configs of one YAML file, or of every ``config/*.yaml`` when ``path`` is None
-    (a name defined in two files is an error)."""
+    (a name defined in two files is an error); ``own``: each config's own keys only, without those it merges in."""
     if path is None:
         merged: dict[str, dict[str, Any]] = {}
         for file in sorted(CONFIG_DIR.glob("*.yaml")):
-            configs = load_named_configs(file)
+            configs = load_named_configs(file, own)
             twice = sorted(set(configs) & set(merged))
             if twice:
                 raise ConfigError(f"config name(s) {', '.join(twice)} defined twice in {CONFIG_DIR}: rename one")
@@ -41,7 +49,7 @@ def load_named_configs(path: Optional[Path] = None) -> dict[str, dict[str, Any]]
         raise ConfigError(f"config file {path} does not exist")
     with open(path) as f:
         try:
-            configs = yaml.safe_load(f)
+            configs = yaml.load(f, _OwnKeysLoader if own else yaml.SafeLoader)  # noqa: S506 (both are safe)
         except yaml.YAMLError as e:
             raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(configs, dict) or not all(isinstance(v, dict) for v in configs.values()):
@@ -49,10 +57,13 @@ def load_named_configs(path: Optional[Path] = None) -> dict[str, dict[str, Any]]
     return configs
 
 
-def named_config(name: str, path: Optional[Path] = None, moved: Optional[set[str]] = None) -> dict[str, Any]:
+def named_config(name: str, path: Optional[Path] = None, moved: Optional[set[str]] = None,
+                 origin: Optional[dict[str, int]] = None) -> dict[str, Any]:
     """The keys of config ``name`` (from ``path``, else the project's files) with its bases merged in (:func:`over`),
     without the ``base`` key itself. A name in ``path`` hides the project's config of the same name. ``moved``
-    collects the model arguments given by their old flat keys (:func:`fold_moved_keys`)."""
+    collects the model arguments given by their old flat keys (:func:`fold_moved_keys`); ``origin`` gets each key's
+    depth, higher where it was said later: the farthest base's merged-in keys (``<<:``) 0, its own 1, the next
+    config's merged-in keys 2, ... (which keys follow which: utils/config_checks.py's take_channel_sets)."""
     configs = load_named_configs()
     if path is not None:
         configs = {**configs, **load_named_configs(path)}
@@ -70,9 +81,14 @@ def named_config(name: str, path: Optional[Path] = None, moved: Optional[set[str
         if base is None:
             break
         name = str(base)
+    own = {**load_named_configs(own=True), **(load_named_configs(path, own=True) if path is not None else {})} \
+        if origin is not None else {}
     values: dict[str, Any] = {}
-    for link in reversed(chain):  # the farthest base first: each config's own keys win
-        values = over(values, fold_moved_keys({k: v for k, v in configs[link].items() if k != BASE_KEY}, moved))
+    for depth, link in enumerate(reversed(chain)):  # the farthest base first: each config's own keys win
+        keys = fold_moved_keys({k: v for k, v in configs[link].items() if k != BASE_KEY}, moved)
+        values = over(values, keys)
+        if origin is not None:
+            origin.update({key: 2 * depth + (key in own[link]) for key in keys})
     return values
 
 

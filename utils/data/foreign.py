@@ -36,12 +36,13 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 import yaml
 
-try:  # optional: the training scripts never need it (make install-data)
+try:  # the base install has it (requirements.txt), but the training scripts never need it: an environment may lack it
     import xarray as xr
 except ImportError:  # reported as one line by the commands
     xr = None
 
-INSTALL = "pip install -r requirements-data.txt -c constraints.txt (make install-data)"
+INSTALL_BASE = "pip install -r requirements.txt -c constraints.txt (make install)"  # xarray, zarr, netCDF4
+INSTALL = "pip install -r requirements-data.txt -c constraints.txt (make install-data)"  # h5netcdf, cfgrib, ecCodes
 # CDS / WeatherBench 2 long names -> the short names of ERA5 (and of the configs' channels).
 LONG_NAMES = {
     "10m_u_component_of_wind": "u10", "10m_v_component_of_wind": "v10", "100m_u_component_of_wind": "u100",
@@ -541,7 +542,7 @@ def open_fields(paths, channels: Optional[Sequence[str]] = None,
     ``z500``, SuperBench's) or None for every variable and level; ``paths``: files, globs or stores (or one);
     ``member``: which one of an ensemble."""
     if xr is None:
-        raise ForeignDataError(f"reading netCDF, GRIB or Zarr needs xarray; {INSTALL}")
+        raise ForeignDataError(f"reading netCDF, GRIB or Zarr needs xarray; {INSTALL_BASE}")
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else paths
     sources = open_sources([str(p) for p in paths], rename)
     members = sources[0].members.tolist()

@@ -21,10 +21,12 @@ under a temporary name first): nothing half-written ever has the final name.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -33,29 +35,32 @@ import torch.distributed as dist
 
 from utils.checkpoint.files import replaced_atomically
 from utils.data.common import DataError
-from utils.data.foreign import ALIASES, DERIVED, LONG_NAMES, UNITS
+from utils.data.foreign import ALIASES, DERIVED, INSTALL_BASE, LONG_NAMES, UNITS
 
 SHORT_TO_LONG = {short: long for long, short in LONG_NAMES.items()}
 REQUEST = "request.json"
 FORMATS = {".zarr": "zarr", ".nc": "netcdf", ".nc4": "netcdf"}
-INSTALL_DATA = "pip install -r requirements-data.txt -c constraints.txt (make install-data)"
 MONTHS = "calendar months"  # the unit of monthly leads in prediction_timedelta (evaluate.py reads it)
+# What predict.py and evaluate.py read and write with (requirements.txt). Each is imported here, not only xarray:
+# xarray imports zarr and netCDF4 when a store or a file is opened, and then their absence is a traceback.
+READERS = ("xarray", "zarr", "netCDF4")
 
 
 def xarray():
-    """xarray, or one line that says how to install it (requirements-data.txt: the training scripts never need it)."""
-    try:
-        import xarray as xr  # optional: only predictions and conversions read or write netCDF / Zarr
-    except ImportError:
-        raise DataError(f"writing netCDF or Zarr needs xarray and zarr: {INSTALL_DATA}") from None
-    return xr
+    """xarray, once every one of READERS imports, or one line that names the one missing and the install that brings
+    it (imported on use: xarray brings pandas, about a second, which the training scripts never need)."""
+    for name in READERS:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            raise DataError(f"reading and writing netCDF and Zarr needs {', '.join(READERS)}; {name} is not "
+                            f"installed: {INSTALL_BASE}") from None
+    return sys.modules["xarray"]
 
 
 def zarr_module():
     xarray()  # the same requirement, said the same way
-    import zarr  # optional, with xarray: requirements-data.txt
-
-    return zarr
+    return sys.modules["zarr"]
 
 
 # ----------------------------------------------------------------------------------------- names
