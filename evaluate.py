@@ -208,7 +208,8 @@ def main(argv=None) -> int:
     scores, spectra, notes = evaluate(forecast, truth, climatology, args.baselines, args.chunk)
     scores.attrs = {"Conventions": "CF-1.8", "title": "forecast scores by WeatherBench 2's definitions",
                     "source": f"evaluate.py: forecast {args.forecast}, truth {truth.where}",
-                    "latitude_weights": "sin(upper cell bound) - sin(lower cell bound), normalised to mean 1",
+                    "latitude_weights": "sin(upper cell bound) - sin(lower cell bound), normalised to mean 1; bounds "
+                                        "halfway between rows, the poles beyond the first and last (WeatherBench 2)",
                     "rmse": "sqrt of the time mean of the weighted spatial MSE", "bias": "forecast - truth",
                     "acc": "time mean of each time's uncentred anomaly correlation; anomalies from the climatology",
                     **notes}

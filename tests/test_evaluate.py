@@ -17,6 +17,19 @@ xr = pytest.importorskip("xarray")  # requirements-data.txt, as predict.py's out
 S22, S67 = np.sin(np.deg2rad(22.5)), np.sin(np.deg2rad(67.5))
 
 
+def wb2_weights(latitude) -> np.ndarray:
+    """WeatherBench 2's get_lat_weights as its definition states it, written out row by row: on latitudes sorted
+    south to north, in radians, cell bounds at -pi/2, the midpoints between rows, and pi/2; the weight is
+    sin(upper) - sin(lower), divided by its mean; returned in the rows' own order."""
+    lat = [float(v) for v in latitude]
+    ranked = sorted(range(len(lat)), key=lambda i: lat[i])
+    x = [np.radians(lat[i]) for i in ranked]
+    bounds = [-np.pi / 2] + [(x[k] + x[k + 1]) / 2 for k in range(len(x) - 1)] + [np.pi / 2]
+    area = {ranked[k]: np.sin(bounds[k + 1]) - np.sin(bounds[k]) for k in range(len(x))}
+    mean = sum(area.values()) / len(area)
+    return np.array([area[i] / mean for i in range(len(lat))])
+
+
 def test_weights_are_cell_areas_of_mean_one_not_cos_latitude():
     lat = np.array([90.0, 45.0, 0.0, -45.0, -90.0])  # a regular grid with both poles: the pole cells are half cells
     areas = np.array([1 - S67, S67 - S22, 2 * S22, S67 - S22, 1 - S67])  # sin(upper) - sin(lower), bounds +-22.5
@@ -28,6 +41,32 @@ def test_weights_are_cell_areas_of_mean_one_not_cos_latitude():
     cos = np.cos(np.deg2rad(lat)) / np.cos(np.deg2rad(lat)).mean()
     assert weights[0] > 0.19 and cos[0] < 1e-12  # a pole row keeps its cap's area
     assert abs(weights[2] - cos[2]) > 0.15
+
+
+def test_the_outermost_cells_reach_the_poles_as_in_weatherbench2():
+    # Without the 90S row (the project's grids, 720-row ERA5): the last row's cell runs from -22.5 down to the pole,
+    # not half a spacing (-67.5): its area is 1 - sin(22.5), not sin(67.5) - sin(22.5).
+    lat = np.array([90.0, 45.0, 0.0, -45.0])
+    areas = np.array([1 - S67, S67 - S22, 2 * S22, 1 - S22])
+    assert areas.sum() == pytest.approx(2.0)
+    np.testing.assert_allclose(latitude_weights(lat), areas / 0.5, rtol=1e-12)
+    # Rows offset by half a spacing from the poles: every cell is a whole band, so the weights are exactly
+    # cos(latitude) / its mean (sin(a + d) - sin(a - d) = 2 cos(a) sin(d)).
+    offset = np.array([67.5, 22.5, -22.5, -67.5])
+    cos = np.cos(np.deg2rad(offset))
+    np.testing.assert_allclose(latitude_weights(offset), cos / cos.mean(), rtol=1e-12)
+    # One row: the whole sphere.
+    np.testing.assert_allclose(latitude_weights([10.0]), [1.0])
+    # WeatherBench 2's definition written out, on a 0.25 degree grid of 720 rows (the 90S row dropped), either
+    # order, and on an irregular grid in no order.
+    era5 = 90.0 - 0.25 * np.arange(720)
+    np.testing.assert_allclose(latitude_weights(era5), wb2_weights(era5), rtol=1e-12)
+    np.testing.assert_allclose(latitude_weights(era5[::-1]), wb2_weights(era5[::-1]), rtol=1e-12)
+    irregular = np.random.default_rng(2).permutation([88.0, 61.0, 30.5, 2.0, -15.0, -40.0, -71.0])
+    np.testing.assert_allclose(latitude_weights(irregular), wb2_weights(irregular), rtol=1e-12)
+    # The last row's cell: from -89.625 to the pole, 1.5 rows' worth there, not one.
+    assert latitude_weights(era5)[-1] / latitude_weights(era5)[-2] == pytest.approx(
+        (np.sin(np.radians(-89.625)) + 1) / (np.sin(np.radians(-89.375)) - np.sin(np.radians(-89.625))), rel=1e-9)
 
 
 def test_rmse_is_the_root_of_the_time_mean_not_the_mean_of_roots():
@@ -92,11 +131,9 @@ def forecast_store(vit_reference, tmp_path_factory):
 
 
 def hand_rmse(forecast: np.ndarray, truth: np.ndarray, lat: np.ndarray) -> float:
-    """WeatherBench 2's RMSE written out: area weights of mean 1, spatial means, time mean, then the root."""
-    half = (lat[0] - lat[1]) / 2
-    upper, lower = np.minimum(lat + half, 90.0), np.maximum(lat - half, -90.0)
-    w = np.sin(np.deg2rad(upper)) - np.sin(np.deg2rad(lower))
-    w = w / w.mean()
+    """WeatherBench 2's RMSE written out: its area weights (the grid lacks the 90S row: the last cell reaches the
+    pole), spatial means, time mean, then the root."""
+    w = wb2_weights(lat)
     mse = [(w[:, None] * (f - o) ** 2).mean() for f, o in zip(forecast, truth)]
     return float(np.sqrt(np.mean(mse)))
 

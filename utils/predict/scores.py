@@ -4,8 +4,9 @@ MAE and ACC of the model and of the baselines (persistence, climatology), and zo
 Definitions (WeatherBench 2, weatherbench2/metrics.py; Rasp et al. 2024, "WeatherBench 2"):
 
 - a latitude row's weight is the area of its cells: sin(upper cell bound) - sin(lower cell bound), the bounds
-  halfway to the neighbouring rows and clipped at the poles, normalised to mean 1 (not cos(latitude), which gives a
-  pole row no weight and the rows beside it too much);
+  halfway to the neighbouring rows and, for the first and last rows, at the poles (WeatherBench 2's get_lat_weights:
+  the outermost cells reach the poles wherever those rows lie), normalised to mean 1 (not cos(latitude), which gives
+  a pole row no weight and the rows beside it too much);
 - spatial means are weighted means over latitude and longitude of each initial time's field;
 - RMSE = sqrt(time mean of the spatial MSE): the square root after the mean over initial times, not a mean of
   per-time RMSEs; bias (forecast - truth) and MAE are time means of spatial means;
@@ -47,18 +48,17 @@ EARTH_RADIUS_M = 1000 * (6357 + 6378) / 2  # WeatherBench 2's (schema.py)
 
 
 def latitude_weights(latitude: Sequence[float]) -> np.ndarray:
-    """Each row's share of the sphere's area, normalised to mean 1 (module docstring), in the rows' own order."""
+    """Each row's share of the sphere's area, normalised to mean 1 (module docstring), in the rows' own order.
+
+    WeatherBench 2's get_lat_weights: on the rows sorted south to north, the cell bounds are the midpoints between
+    rows and the poles themselves, so the first and last cells reach the poles whether or not a row lies there (a
+    grid without its 90S row, as the project's, gives its southernmost row the whole cap below it)."""
     lat = np.asarray(latitude, dtype=np.float64)
     order = np.argsort(lat)
-    ascending = lat[order]
-    if len(ascending) < 2:
-        return np.ones_like(lat)
-    middles = (ascending[1:] + ascending[:-1]) / 2
-    bounds = np.concatenate([[2 * ascending[0] - middles[0]], middles, [2 * ascending[-1] - middles[-1]]])
-    bounds = np.clip(bounds, -90.0, 90.0)
-    area = np.sin(np.deg2rad(bounds[1:])) - np.sin(np.deg2rad(bounds[:-1]))
-    weights = np.empty_like(area)
-    weights[order] = area
+    ascending = np.deg2rad(lat[order])
+    bounds = np.concatenate([[-np.pi / 2], (ascending[1:] + ascending[:-1]) / 2, [np.pi / 2]])
+    weights = np.empty_like(ascending)
+    weights[order] = np.sin(bounds[1:]) - np.sin(bounds[:-1])
     return weights / weights.mean()
 
 
