@@ -6,11 +6,13 @@ persistence and climatology, and zonal energy spectra.
     python evaluate.py --forecast f.zarr --truth datasets/synthetic_vit --out s.nc --png scorecard.png
 
 --forecast: a store in WeatherBench 2's layout (predict.py writes one). --truth: a data folder of the training layout
-(the split that holds the forecast's verifying times, or --split) or a Zarr store / netCDF file in the forecast's
-layout. Each (initial time, lead) is verified at initial time + lead (for monthly data, lead counts calendar months),
-matched exactly to the truth's recorded times; pairs the truth lacks are dropped and counted in the output's
-attributes. The climatology (ACC's reference and a baseline) is a file of WeatherBench 2's layout (--climatology), or
-the mean by day of year and hour of day of the truth folder's training split (--climatology_split).
+(the split that holds the forecast's initial times, where it was made, or --split) or a Zarr store / netCDF file in
+the forecast's layout. Each (initial time, lead) is verified at initial time + lead (for monthly data, lead counts
+calendar months), matched exactly to the truth's recorded times, or by calendar month (year, month) where the truth is
+monthly (its times a month apart: archives stamp each month at its centre, at hours that wander); pairs the truth
+lacks are dropped and counted in the output's attributes. The climatology (ACC's reference and a baseline) is a file
+of WeatherBench 2's layout (--climatology), or the mean by day of year and hour of day (monthly data: by calendar
+month) of the truth folder's training split (--climatology_split).
 
 The output (utils/predict/scores.py has the definitions): netCDF with a data variable per forecast variable, dims
 ``forecast`` (model, persistence, climatology), ``metric`` (rmse, bias, mae, acc), ``lead_time``, [``level``]; the
@@ -30,8 +32,8 @@ import numpy as np
 from utils.checkpoint.files import replaced_atomically, reporting_write_failures
 from utils.cli import OneLineParser
 from utils.data.common import DataError
-from utils.predict.scores import (BASELINES, MONTHS, evaluate, grid_of, index_in, lead_times, scored_pairs,
-                                  verifying_times)
+from utils.predict.scores import (BASELINES, MONTHS, evaluate, grid_of, index_in, lead_times, match_by_month,
+                                  scored_pairs, verifying_times)
 from utils.predict.truth import Climatology, FolderTruth, StoreTruth, open_store
 from utils.training import run_cli
 
@@ -47,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                        "store in the forecast's layout")
     parser.add_argument("--out", required=True, help="the scores: OUT.nc")
     parser.add_argument("--split", default=None, help="truth folder: the split to verify against (default: the one "
-                                                      "holding most verifying times)")
+                                                      "holding most of the forecast's initial times)")
     parser.add_argument("--climatology", default=None, help="a climatology file of WeatherBench 2's layout (default: "
                                                             "from the truth folder's --climatology_split)")
     parser.add_argument("--climatology_split", default="train", help="truth folder: the split the climatology is "
@@ -92,22 +94,43 @@ def split_folders(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and any(p.glob("*.h5")))
 
 
+def stamp(t) -> str:
+    return str(np.datetime_as_string(np.datetime64(t), unit="m"))
+
+
+def forecast_split(root: Path, ds, grid) -> Path:
+    """The split the forecast was made on: the one holding most of its initial times (ties, or none anywhere: most of
+    its verifying times); said on the console. None holding either: one line listing what each split holds."""
+    folders = split_folders(root)
+    if not folders:
+        raise DataError(f"--truth {root}: no split folder with .h5 files, and not a Zarr store")
+    leads, monthly = lead_times(ds)
+    initial = np.asarray(ds["time"].values).astype("datetime64[ns]")
+    verifying = verifying_times(initial, leads, monthly)
+    held, spans = [], []
+    for folder in folders:
+        times = FolderTruth(folder, grid).times
+        by_month = match_by_month(times, monthly)
+        held.append((int((index_in(initial, times, by_month) >= 0).sum()),
+                     int((index_in(verifying, times, by_month) >= 0).sum()), folder))
+        spans.append(f"{folder.name} {stamp(times.min())} to {stamp(times.max())}")
+    starts, ends, split = max(held, key=lambda h: h[:2])
+    if not starts and not ends:
+        raise DataError(f"--truth {root}: no split holds any of the forecast's {len(initial)} initial times "
+                        f"({stamp(initial.min())} to {stamp(initial.max())}) or their verifying times (splits: "
+                        f"{', '.join(spans)}); give the data the forecast was made from")
+    print(f"evaluate: truth split {split.name}: it holds {starts} of the forecast's {len(initial)} initial times "
+          f"and {ends} of its {verifying.size} verifying times (--split to choose another)", flush=True)
+    return split
+
+
 def open_truth(args, ds, grid):
     """(the truth, the climatology or None) from --truth, --split, --climatology."""
     root = Path(args.truth)
     climatology = Climatology.from_file(Path(args.climatology), grid) if args.climatology else None
     if not root.is_dir() or root.suffix == ".zarr":
         return StoreTruth(root, grid), climatology
-    if args.split:
-        split = root / args.split
-    else:  # the split whose recorded times hold most verifying times (the forecast's own)
-        leads, monthly = lead_times(ds)
-        verifying = verifying_times(ds["time"].values, leads, monthly)
-        folders = split_folders(root)
-        if not folders:
-            raise DataError(f"--truth {root}: no split folder with .h5 files, and not a Zarr store")
-        held = [(int((index_in(verifying, FolderTruth(f, grid).times) >= 0).sum()), f) for f in folders]
-        split = max(held, key=lambda h: h[0])[1]
+    split = root / args.split if args.split else forecast_split(root, ds, grid)
     truth = FolderTruth(split, grid)
     scored_pairs(ds, truth)  # no verifying time there: said before a climatology is looked for
     source = root / args.climatology_split
@@ -208,7 +231,8 @@ def main(argv=None) -> int:
     scores, spectra, notes = evaluate(forecast, truth, climatology, args.baselines, args.chunk)
     scores.attrs = {"Conventions": "CF-1.8", "title": "forecast scores by WeatherBench 2's definitions",
                     "source": f"evaluate.py: forecast {args.forecast}, truth {truth.where}",
-                    "latitude_weights": "sin(upper cell bound) - sin(lower cell bound), normalised to mean 1",
+                    "latitude_weights": "sin(upper cell bound) - sin(lower cell bound), normalised to mean 1; bounds "
+                                        "halfway between rows, the poles beyond the first and last (WeatherBench 2)",
                     "rmse": "sqrt of the time mean of the weighted spatial MSE", "bias": "forecast - truth",
                     "acc": "time mean of each time's uncentred anomaly correlation; anomalies from the climatology",
                     **notes}
@@ -218,6 +242,7 @@ def main(argv=None) -> int:
             replaced_atomically(out) as temporary:
         scores.to_netcdf(temporary)
         spectra.to_netcdf(temporary, mode="a", group="spectra")
+    print(f"evaluate: verifying times matched {notes['verifying_times_matched']}", flush=True)
     print(f"evaluate: {len(grid.variables)} variables, {len(scores.lead_time)} leads, {notes['verifying_times_scored']}"
           f" verifying times scored, {notes['verifying_times_dropped']} dropped (not in the truth) against "
           f"{truth.where}; climatology: {notes['climatology']}", flush=True)

@@ -243,7 +243,7 @@ def layout_for(cfg, inputs: Inputs, out_shape, scale: int, steps: Optional[int])
         if step.assumed:
             inputs.notes.append(f"prediction_timedelta: {step} per sample assumed (the data records no step)")
         counts = np.arange(1, steps + 1) * cfg.data.lead * step.count
-        # A month is no fixed duration: its leads stay counts of months (a scorer matches time + months).
+        # A month is no fixed duration: its leads stay counts of months (evaluate.py matches the month reached).
         leads = hours_to_delta(counts) if step.unit == "h" else counts
     channels = list(cfg.data.channel_names) or [f"channel {c}" for c in range(out_shape[0])]
     units = getattr(inputs, "units", None) or [None] * len(channels)

@@ -4,14 +4,17 @@ MAE and ACC of the model and of the baselines (persistence, climatology), and zo
 Definitions (WeatherBench 2, weatherbench2/metrics.py; Rasp et al. 2024, "WeatherBench 2"):
 
 - a latitude row's weight is the area of its cells: sin(upper cell bound) - sin(lower cell bound), the bounds
-  halfway to the neighbouring rows and clipped at the poles, normalised to mean 1 (not cos(latitude), which gives a
-  pole row no weight and the rows beside it too much);
+  halfway to the neighbouring rows and, for the first and last rows, at the poles (WeatherBench 2's get_lat_weights:
+  the outermost cells reach the poles wherever those rows lie), normalised to mean 1 (not cos(latitude), which gives
+  a pole row no weight and the rows beside it too much);
 - spatial means are weighted means over latitude and longitude of each initial time's field;
 - RMSE = sqrt(time mean of the spatial MSE): the square root after the mean over initial times, not a mean of
   per-time RMSEs; bias (forecast - truth) and MAE are time means of spatial means;
 - ACC = time mean of each time's sum(w f' o') / sqrt(sum(w f'^2) sum(w o'^2)), with f' and o' the forecast's and the
-  truth's anomalies from the climatology at the verifying time (day of year and hour of day; WeatherBench 2's is
-  ERA5 1990-2019, here the truth folder's training split or a given file). The climatology as a forecast has no
+  truth's anomalies from the climatology at the verifying time (day of year and hour of day, monthly data's by
+  calendar month; WeatherBench 2's is ERA5 1990-2019, here the truth folder's training split or a given file). The
+  verifying time is the matched truth record's: exactly initial time + lead, or for monthly data (stamps a month
+  apart, at any day and hour) the record of the calendar month reached. The climatology as a forecast has no
   anomaly: its ACC is undefined, NaN. (The training logs' ACC keeps NERSC's convention instead: one time-mean
   climatology, cos-latitude weights; utils/observe/scores.py.)
 - zonal energy spectrum of a field, as WeatherBench 2's ZonalEnergySpectrum: per latitude circle, E_k = c_k |X_k|^2 L,
@@ -35,7 +38,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from utils.data.common import DataError
-from utils.predict.truth import Climatology, Fields, Grid
+from utils.predict.truth import Climatology, Fields, Grid, is_monthly, months_of
 from utils.predict.store import MONTHS, xarray
 
 METRICS = ("rmse", "bias", "mae", "acc")
@@ -47,18 +50,17 @@ EARTH_RADIUS_M = 1000 * (6357 + 6378) / 2  # WeatherBench 2's (schema.py)
 
 
 def latitude_weights(latitude: Sequence[float]) -> np.ndarray:
-    """Each row's share of the sphere's area, normalised to mean 1 (module docstring), in the rows' own order."""
+    """Each row's share of the sphere's area, normalised to mean 1 (module docstring), in the rows' own order.
+
+    WeatherBench 2's get_lat_weights: on the rows sorted south to north, the cell bounds are the midpoints between
+    rows and the poles themselves, so the first and last cells reach the poles whether or not a row lies there (a
+    grid without its 90S row, as the project's, gives its southernmost row the whole cap below it)."""
     lat = np.asarray(latitude, dtype=np.float64)
     order = np.argsort(lat)
-    ascending = lat[order]
-    if len(ascending) < 2:
-        return np.ones_like(lat)
-    middles = (ascending[1:] + ascending[:-1]) / 2
-    bounds = np.concatenate([[2 * ascending[0] - middles[0]], middles, [2 * ascending[-1] - middles[-1]]])
-    bounds = np.clip(bounds, -90.0, 90.0)
-    area = np.sin(np.deg2rad(bounds[1:])) - np.sin(np.deg2rad(bounds[:-1]))
-    weights = np.empty_like(area)
-    weights[order] = area
+    ascending = np.deg2rad(lat[order])
+    bounds = np.concatenate([[-np.pi / 2], (ascending[1:] + ascending[:-1]) / 2, [np.pi / 2]])
+    weights = np.empty_like(ascending)
+    weights[order] = np.sin(bounds[1:]) - np.sin(bounds[:-1])
     return weights / weights.mean()
 
 
@@ -124,11 +126,27 @@ def verifying_times(initial: np.ndarray, leads: np.ndarray, monthly: bool) -> np
     return np.stack([(index + pd.DateOffset(months=int(n))).to_numpy() for n in leads], axis=1).astype("datetime64[ns]")
 
 
-def index_in(times: np.ndarray, known: np.ndarray) -> np.ndarray:
-    """Position of each time in ``known`` (exact match), -1 where it is absent."""
-    lookup = {int(t): i for i, t in enumerate(np.asarray(known).astype("datetime64[ns]").astype(np.int64))}
-    flat = np.asarray(times).astype("datetime64[ns]").astype(np.int64).ravel()
+def match_by_month(truth_times: np.ndarray, leads_monthly: bool) -> bool:
+    """Monthly data (the truth's stamps, :func:`is_monthly`) are matched by calendar month, all else exactly; a
+    truth of one time has no spacing: the forecast's leads (counts of months or durations) decide."""
+    if len(np.unique(np.asarray(truth_times))) < 2:
+        return leads_monthly
+    return is_monthly(truth_times)
+
+
+def index_in(times: np.ndarray, known: np.ndarray, by_month: bool = False) -> np.ndarray:
+    """Position of each time in ``known``, -1 where it is absent: the same instant, or (``by_month``) the same
+    calendar month (the first such time of ``known``)."""
+    key = months_of if by_month else (lambda t: np.asarray(t).astype("datetime64[ns]").astype(np.int64))
+    lookup = {}
+    for i, t in enumerate(key(known).ravel()):
+        lookup.setdefault(int(t), i)
+    flat = key(times).ravel()
     return np.array([lookup.get(int(t), -1) for t in flat], dtype=np.int64).reshape(np.shape(times))
+
+
+MATCHED = {True: "by calendar month (monthly data: the truth's times are a month apart, at any day and hour)",
+           False: "exactly (initial time + lead)"}
 
 
 # ----------------------------------------------------------------------------------------- the evaluation
@@ -187,25 +205,31 @@ class Sums:
             into[key][lead] += value
 
 
-def scored_pairs(ds, truth: Fields) -> tuple[np.ndarray, np.ndarray]:
-    """(verifying times (time, lead), their positions in the truth, -1 where absent); none there: one line."""
+def scored_pairs(ds, truth: Fields) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(verifying times (time, lead), their positions in the truth, -1 where absent, whether matched by month);
+    none there: one line that names where it looked."""
     leads, monthly = lead_times(ds)
     verifying = verifying_times(ds["time"].values, leads, monthly)
-    at = index_in(verifying, truth.times)
+    by_month = match_by_month(truth.times, monthly)
+    at = index_in(verifying, truth.times, by_month)
     if not (at >= 0).any():
-        raise DataError(f"none of the forecast's {verifying.size} verifying times (from {verifying.min()} to "
-                        f"{verifying.max()}) is among the truth's {len(truth.times)} in {truth.where}")
-    return verifying, at
+        month = " (matched by calendar month)" if by_month else ""
+        span = " to ".join(np.datetime_as_string(np.array([verifying.min(), verifying.max()]), unit="m"))
+        raise DataError(f"none of the forecast's {verifying.size} verifying times (from {span}){month} is among the "
+                        f"truth's {len(truth.times)} in {truth.where}")
+    return verifying, at, by_month
 
 
 def evaluate(ds, truth: Fields, climatology: Optional[Climatology], baselines: Sequence[str], chunk: int = 8) -> tuple:
     """(scores, spectra, notes) of the forecast Dataset ``ds`` against ``truth`` (module docstring); ``notes``: what
-    the results' attributes should say (times dropped, the climatology used)."""
+    the results' attributes should say (how times were matched, times dropped, the climatology used)."""
     grid = grid_of(ds)
     leads, monthly = lead_times(ds)
     initial = np.asarray(ds["time"].values).astype("datetime64[ns]")
-    verifying, at = scored_pairs(ds, truth)
-    start_at = index_in(initial, truth.times)
+    verifying, at, by_month = scored_pairs(ds, truth)
+    # A verifying time is the matched record's own stamp: the climatology is looked up at the truth's time.
+    verifying = np.where(at >= 0, truth.times[np.maximum(at, 0)], verifying)
+    start_at = index_in(initial, truth.times, by_month)
     if "climatology" in baselines and climatology is None:
         raise DataError("the climatology baseline needs a climatology: --climatology FILE, or a truth folder with a "
                         "training split")
@@ -235,13 +259,14 @@ def evaluate(ds, truth: Fields, climatology: Optional[Climatology], baselines: S
                 if kept.any():
                     pick = lambda d: {n: v[kept] for n, v in d.items()} if d is not None else None
                     sums.add("persistence", lead, fields(start_at[scored][kept]), pick(observed), pick(clim), weights)
-    notes = {"verifying_times_scored": int((at >= 0).sum()), "verifying_times_dropped": int((at < 0).sum()),
+    notes = {"verifying_times_matched": MATCHED[by_month], "verifying_times_scored": int((at >= 0).sum()),
+             "verifying_times_dropped": int((at < 0).sum()),
              "verifying_times_dropped_comment": "forecast (initial time, lead) pairs whose verifying time the truth "
                                                 "lacks: not scored",
              "climatology": climatology.source if climatology is not None else "none: no ACC, no climatology baseline"}
     if climatology is not None and climatology.substituted:
-        notes["climatology_substituted"] = (f"{climatology.substituted} (day of year, hour) keys the climatology lacks,"
-                                            " served by its nearest time of year")
+        notes["climatology_substituted"] = (f"{climatology.substituted} {climatology.keys} keys the climatology "
+                                            "lacks, served by its nearest time of year")
     return (*to_datasets(sums, ds, leads, monthly), notes)
 
 

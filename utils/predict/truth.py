@@ -6,9 +6,11 @@ hour of day, both on the forecast's grid and levels.
   variables by the names predict.py writes (``z500`` -> ``geopotential`` at level 500).
 - :class:`StoreTruth`: a Zarr store or netCDF file in the forecast's own layout (``time``, variables by long name,
   optional ``level``, ``latitude``, ``longitude``): WeatherBench 2's ERA5, for instance.
-- :class:`Climatology`: mean fields by (day of year, hour of day), computed from a split of the training layout or
-  read from a file of WeatherBench 2's climatology layout (dims ``dayofyear`` 1..366, ``hour``, [``level``],
-  ``latitude``, ``longitude``). A key the source lacks takes the nearest time of year it holds (counted).
+- :class:`Climatology`: mean fields by (day of year, hour of day), computed from a split of the training layout (by
+  calendar month where the split is monthly) or read from a file of WeatherBench 2's climatology layout (dims
+  ``dayofyear`` 1..366, ``hour``, [``level``], ``latitude``, ``longitude``). A key the source lacks takes the
+  nearest time of year it holds (counted).
+- Monthly data (:func:`is_monthly`: stamps a month apart, at whatever day and hour) are matched by calendar month.
 
 Grids are matched by value, never by position: latitude may run either way (the project writes north to south,
 WeatherBench 2's ERA5 south to north), longitude is compared modulo 360.
@@ -163,37 +165,64 @@ def _levels_of(values: np.ndarray, have: np.ndarray, want: np.ndarray, axis: int
     return out
 
 
+# ----------------------------------------------------------------------------------------- times
+
+
+def months_of(times: np.ndarray) -> np.ndarray:
+    """Each time's calendar month as one integer (months since January 1970), whatever its day and hour."""
+    return np.asarray(times).astype("datetime64[ns]").astype("datetime64[M]").astype(np.int64)
+
+
+def is_monthly(times: np.ndarray) -> bool:
+    """Whether stamps come one a month: never two in a calendar month, 28 to 31 days (give or take a day) per month
+    between consecutive ones (a missing month is a gap of two). Archives stamp each month at its centre, at hours
+    that wander, so "initial time + n months" is not the stamp of the month reached: such data is matched by month."""
+    stamps = np.unique(np.asarray(times).astype("datetime64[ns]"))
+    if len(stamps) < 2:
+        return False
+    steps, days = np.diff(months_of(stamps)), np.diff(stamps) / np.timedelta64(1, "D")
+    return bool((steps >= 1).all() and ((days >= 27 * steps) & (days <= 32 * steps)).all())
+
+
 # ----------------------------------------------------------------------------------------- climatology
 
 
-def time_keys(times: np.ndarray) -> np.ndarray:
-    """(day of year 1..366, hour of day) of each time, as WeatherBench 2 keys its climatology."""
+def time_keys(times: np.ndarray, by_month: bool = False) -> np.ndarray:
+    """(day of year 1..366, hour of day) of each time, as WeatherBench 2 keys its climatology; monthly data:
+    (month 1..12, 0), since their stamps' days and hours wander from year to year."""
     import pandas as pd  # xarray's own dependency
 
     index = pd.DatetimeIndex(np.asarray(times).astype("datetime64[ns]"))
+    if by_month:
+        return np.stack([index.month.to_numpy(), np.zeros(len(index), dtype=np.int64)], axis=1)
     return np.stack([index.day_of_year.to_numpy(), index.hour.to_numpy()], axis=1)
 
 
-def nearest_keys(wanted: np.ndarray, available: np.ndarray) -> np.ndarray:
-    """For each wanted (day, hour), the available key nearest in time of year (circular over a 366-day year)."""
-    at = lambda keys: keys[:, 0].astype(np.int64) * 24 + keys[:, 1]
-    gap = np.abs(at(wanted)[:, None] - at(available)[None, :]) % HOURS_OF_YEAR
-    gap = np.minimum(gap, HOURS_OF_YEAR - gap)
+def nearest_keys(wanted: np.ndarray, available: np.ndarray, by_month: bool = False) -> np.ndarray:
+    """For each wanted key, the available key nearest in time of year (circular over a 366-day year, or 12 months)."""
+    at = lambda keys: keys[:, 0].astype(np.int64) * (1 if by_month else 24) + keys[:, 1]
+    period = 12 if by_month else HOURS_OF_YEAR
+    gap = np.abs(at(wanted)[:, None] - at(available)[None, :]) % period
+    gap = np.minimum(gap, period - gap)
     return available[gap.argmin(axis=1)]
 
 
 class Climatology:
-    """Mean fields by (day of year, hour of day) for the keys asked for once (:meth:`prepare`), then looked up."""
+    """Mean fields by (day of year, hour of day), or by calendar month (``by_month``), for the keys asked for once
+    (:meth:`prepare`), then looked up."""
 
-    def __init__(self, source: str, available: np.ndarray, load):
-        self.source, self.available, self._load = source, available, load
+    def __init__(self, source: str, available: np.ndarray, load, by_month: bool = False):
+        self.source, self.available, self._load, self.by_month = source, available, load, by_month
+        self.keys = "(month)" if by_month else "(day of year, hour)"
         self.table: dict[tuple[int, int], dict[str, np.ndarray]] = {}
         self.substituted = 0  # wanted keys the source lacks, served by the nearest it holds
 
     @classmethod
     def from_split(cls, truth: FolderTruth) -> "Climatology":
-        """Averages of a split's samples (the training split: no forecast's verifying time among them)."""
-        keys = time_keys(truth.times)
+        """Averages of a split's samples (the training split: no forecast's verifying time among them); of monthly
+        data, by calendar month."""
+        by_month = is_monthly(truth.times)
+        keys = time_keys(truth.times, by_month)
 
         def load(wanted: np.ndarray) -> dict:
             sums, counts, wanted = {}, {}, {tuple(map(int, k)) for k in wanted}
@@ -208,8 +237,8 @@ class Climatology:
                 counts[key] += 1
             return {k: {n: (v / counts[k]).astype(np.float32) for n, v in s.items()} for k, s in sums.items()}
 
-        return cls(f"mean by day of year and hour of day of {truth.where} ({len(keys)} samples)",
-                   np.unique(keys, axis=0), load)
+        kind = "calendar month" if by_month else "day of year and hour of day"
+        return cls(f"mean by {kind} of {truth.where} ({len(keys)} samples)", np.unique(keys, axis=0), load, by_month)
 
     @classmethod
     def from_file(cls, path: Path, grid: Grid) -> "Climatology":
@@ -240,12 +269,12 @@ class Climatology:
 
     def prepare(self, times: np.ndarray) -> None:
         """Load the keys of every time to be looked up, in one pass over the source."""
-        wanted = np.unique(time_keys(times), axis=0)
-        served = nearest_keys(wanted, self.available)
+        wanted = np.unique(time_keys(times, self.by_month), axis=0)
+        served = nearest_keys(wanted, self.available, self.by_month)
         self.substituted = int((served != wanted).any(axis=1).sum())
         self._serve = {tuple(map(int, w)): tuple(map(int, s)) for w, s in zip(wanted, served)}
         self.table = self._load(np.unique(served, axis=0))
 
     def at(self, times: np.ndarray) -> dict[str, np.ndarray]:
-        rows = [self.table[self._serve[tuple(map(int, key))]] for key in time_keys(times)]
+        rows = [self.table[self._serve[tuple(map(int, key))]] for key in time_keys(times, self.by_month)]
         return {name: np.stack([row[name] for row in rows]) for name in rows[0]} if rows else {}
