@@ -67,7 +67,8 @@ def check_command(argv: list[str]) -> None:
     try:  # torchrun reads it only after its parser, with a traceback for a bad value
         determine_local_world_size(args.nproc_per_node)
     except ValueError as error:
-        raise ConfigError(f"--nproc-per-node {args.nproc_per_node}: {error} (give a number, gpu, cpu or auto)") from None
+        raise ConfigError(f"--nproc-per-node {args.nproc_per_node}: {error} (give a number, gpu, cpu or "
+                          "auto)") from None
     if not (args.module or args.no_python or Path(args.training_script).is_file()):
         raise ConfigError(f"{args.training_script}: no such script (give a path to a training script, e.g. "
                           "train_ddp.py, or -m MODULE)")
