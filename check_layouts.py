@@ -20,6 +20,10 @@ PASS or FAIL against the tolerance (fp32; the numbers and why: utils/layouts/equ
 Layouts the plan lacks are listed as such, and a layout its script refuses for this config says why; neither
 fails. --left_out runs each layout that has the piece once more without it, which must FAIL. Exit 0 when every
 layout that ran equals one process (and every one with a piece left out does not), 1 otherwise, 2 on bad input.
+A hang ends, as in the training scripts: each rank runs their step watchdog (utils/stopping.py: a step that has not
+moved for 1.5 --dist_timeout_s ends the rank, naming the ranks that did not arrive), and the launcher ends every
+rank once one has not moved for 1.75 of it (a rank frozen whole cannot end itself), with one line naming it: the
+check ends within twice --dist_timeout_s of a hang (exit 1).
 
 The model is whatever models.build_model builds from the config, so a model of your own is checked the same
 way. The check is in fp32 and without random layers: --amp_dtype, --param_dtype and --reduce_dtype stay fp32,
@@ -30,11 +34,13 @@ config key can be overridden as in the training scripts (`python check_layouts.p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -42,6 +48,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -53,9 +60,20 @@ from utils.parallel.distributed import cleanup_distributed, init_distributed
 from utils.parallel.plans import model_plan
 from utils.layouts.equivalence import LEFT_OUT, TOLERANCE, compare, one_process, run_layout, with_keys
 from utils.layouts.accepted import SCHEDULES, Layout
-from utils.training import build_loss, build_optimizer, run_cli, scaled_lr
+from utils.stopping import StepWatchdog, stop_watching
+from utils.training import build_loss, build_optimizer, exit_process, run_cli, scaled_lr
 
 TECHNIQUES = ("ddp", "fsdp", "hsdp", "tp", "cp", "pp")
+WATCH_VARIABLE = "CHECK_LAYOUTS_WATCH_DIR"
+"""The launcher's folder, given to its ranks: each rank's step watchdog writes its stack there (if it hangs) and
+touches its beat file there at every step, which the launcher watches."""
+SILENCE_FRACTION = 1.75
+"""The launcher ends the check once a rank's beat is this many --dist_timeout_s old: after the 1.5 at which a rank's
+own watchdog ends it (naming the ranks that did not arrive), so that it acts for a rank that cannot end itself (frozen,
+or held where Python cannot run), and before 2, so that the check ends within twice the timeout (exit included)."""
+START_S = 60.0
+"""Before its first beat a rank also imports torch, joins the others and builds the model: tens of seconds on a
+loaded laptop, which a small --dist_timeout_s must not count as a hang."""
 
 
 def add_arguments(parser) -> None:
@@ -156,8 +174,9 @@ def layouts(plan, world: int, cfg: Config, left_out: str = "") -> list[Row]:
     return rows
 
 
-def launch(nproc: int) -> int:
-    """This command again as ``nproc`` processes with torchrun's variables; the first failure ends the others."""
+def launch(nproc: int, timeout_s: float) -> int:
+    """This command again as ``nproc`` processes with torchrun's variables; the first failure ends the others, and
+    so does a rank whose step has not moved for SILENCE_FRACTION x ``timeout_s`` (the config's dist_timeout_s)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -166,33 +185,63 @@ def launch(nproc: int) -> int:
            "LOCAL_WORLD_SIZE": str(nproc), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads)}
     with tempfile.TemporaryDirectory() as tmp:
         logs = [open(f"{tmp}/{rank}.log", "w+") for rank in range(nproc)]
-        procs = [subprocess.Popen([sys.executable, *sys.argv], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                                  stdout=subprocess.PIPE if r == 0 else logs[r], stderr=logs[r], text=True)
-                 for r in range(nproc)]
+        procs: list[subprocess.Popen] = []
+        for r in range(nproc):  # one process group of their own, ended whole (with anything a rank started)
+            procs.append(subprocess.Popen(
+                [sys.executable, *sys.argv], env={**env, "RANK": str(r), "LOCAL_RANK": str(r), WATCH_VARIABLE: tmp},
+                stdout=subprocess.PIPE if r == 0 else logs[r], stderr=logs[r], text=True,
+                process_group=procs[0].pid if procs else 0))
         # Rank 0 speaks: its table line by line through this process's stdout (whatever that is); the others'
         # output, and rank 0's stderr, are shown if they fail.
         relay = threading.Thread(target=lambda: [print(line, end="", flush=True) for line in procs[0].stdout])
         relay.start()
-        first = None  # the first rank seen failing
+        first, hung = None, ""  # the first rank seen failing; the line naming a rank that hung
+        started = time.monotonic()
         try:
-            while first is None and any(p.poll() is None for p in procs):
+            while first is None and not hung and any(p.poll() is None for p in procs):
                 time.sleep(0.05)
                 first = next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+                hung = silent_ranks(procs, Path(tmp) / "stacks", started, timeout_s)
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            relay.join()
-        codes = [p.wait() for p in procs]
+            with contextlib.suppress(ProcessLookupError):  # SIGKILL ends a frozen (SIGSTOPped) rank too
+                os.killpg(procs[0].pid, signal.SIGKILL)
+            relay.join(timeout=10)  # the pipe closes with rank 0; bounded all the same
+        codes = [p.wait(timeout=10) for p in procs]
         first = next((r for r, code in enumerate(codes) if code), None) if first is None else first
-        if first is not None:
+        if hung:
+            print(hung, file=sys.stderr)
+        elif first is not None:
             logs[first].seek(0)
             said = logs[first].read()
             print(f"[rank {first}] exited {codes[first]}:\n{said[-4000:]}" if first else said.rstrip(),
                   file=sys.stderr)
         for log in logs:
             log.close()
-    return 0 if first is None else codes[first] if codes[first] > 0 else 1
+    return 1 if hung else 0 if first is None else codes[first] if codes[first] > 0 else 1
+
+
+def silent_ranks(procs: list, stacks: Path, started: float, timeout_s: float) -> str:
+    """One line naming the ranks whose step has not moved for SILENCE_FRACTION x ``timeout_s`` (their beat files'
+    age, from ``started`` before the first beat, plus START_S), or "" while every live rank moves. Of those, the ranks
+    whose watchdog left no stack are the ones that hung: a rank waiting for them writes its stack at 0.8 x."""
+    now, limit = time.time(), SILENCE_FRACTION * timeout_s
+    ages = {}
+    for rank, proc in enumerate(procs):
+        beat = stacks / f"rank{rank}.beat"
+        with contextlib.suppress(FileNotFoundError):
+            ages[rank] = now - beat.stat().st_mtime
+        if rank not in ages and proc.poll() is None:
+            ages[rank] = time.monotonic() - started - START_S
+    silent = [rank for rank, age in ages.items() if age >= limit and procs[rank].poll() is None]
+    if not silent:
+        return ""
+    stack = lambda rank: stacks / f"rank{rank}.txt"  # noqa: E731
+    frozen = [rank for rank in silent if stack(rank).is_file() and not stack(rank).stat().st_size]
+    named = frozen or silent
+    return (f"error: rank{'s' if len(named) > 1 else ''} {', '.join(map(str, named))} hung: no step for "
+            f"{max(ages[r] for r in named):.0f} s ({SILENCE_FRACTION:g} x --dist_timeout_s {timeout_s:g}), and "
+            f"{'no' if frozen else 'its'} watchdog's stack written (frozen, or held where Python cannot run); every "
+            "rank was stopped (a step that is just slow needs a larger --dist_timeout_s)")
 
 
 def check(cfg: Config, args, world: int, say) -> bool:
@@ -250,13 +299,26 @@ def main() -> int:
     cfg, args = parse_config(__doc__, extra_args=add_arguments)
     if "RANK" not in os.environ:  # the command as typed: bad input in one line here, then the processes
         checked(cfg, args, args.nproc)
-        return launch(args.nproc)
+        # The verdict is out and every rank has ended: skip the interpreter's shutdown, seconds of torch's own on a
+        # loaded machine, which would count against the bound on the end of a check that hung.
+        exit_process(launch(args.nproc, cfg.dist.dist_timeout_s), joined=True)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before CUDA starts: CPU processes and gloo (fp32, no TF32)
     env, _ = init_distributed(cfg.dist.dist_timeout_s)
+    # The training scripts' step watchdog: a step that does not end within 1.5 dist_timeout_s ends the rank, with
+    # the ranks that did not arrive named, whatever it waits for. Stacks in the launcher's folder, else (torchrun)
+    # in the run folder, as the training scripts leave them; a run folder made only for them goes again if empty.
+    watch = os.environ.get(WATCH_VARIABLE)
+    run_dir = Path(cfg.train.run_dir)
+    made = [] if watch else [d for d in (run_dir, *run_dir.parents) if not d.exists()]  # innermost first
+    StepWatchdog(cfg.dist.dist_timeout_s, watch or cfg.train.run_dir, beats=bool(watch))
     # DTensor warns that a gradient sharded by tp and FSDP is gathered in two steps: the check's own gather, once.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     say = functools.partial(print, flush=True) if env.is_main else lambda *_: None
     ok = check(checked(cfg, args, env.world_size), args, env.world_size, say)
+    stop_watching()
+    with contextlib.suppress(OSError):  # not empty: a hang's stacks, or another rank's still there
+        for folder in made:
+            folder.rmdir()
     cleanup_distributed()
     return 0 if ok or not env.is_main else 1  # rank 0's verdict: the launcher passes it on
 

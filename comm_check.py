@@ -35,11 +35,12 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from utils.cli import OneLineParser
 from utils.config import ConfigError
 from utils.parallel.distributed import DistEnv, cleanup_distributed, init_distributed, read_dist_env
 from utils.plan.clusters import THIS_MACHINE, Cluster, load_cluster
 from utils.plan.comm import node_busbw
-from utils.training import exit_process
+from utils.training import run_cli
 
 DTYPE = torch.float32
 ELEMENT_BYTES = torch.finfo(DTYPE).bits // 8
@@ -75,8 +76,8 @@ def format_bytes(size: int) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = OneLineParser(description=__doc__.split("\n\n")[0],
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--min-bytes", type=parse_bytes, default=parse_bytes("1KiB"),
                         help="smallest message size")
     parser.add_argument("--max-bytes", type=parse_bytes, default=parse_bytes("1GiB"),
@@ -310,14 +311,13 @@ def table_row(op: Collective, size: int, seconds: float, wrong: int, n: int) -> 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if read_dist_env().world_size < 2:
+        raise ConfigError("comm_check.py needs at least 2 processes: launch it with torchrun "
+                          "--nproc-per-node 2 comm_check.py, or sbatch submit_multinode.sh comm_check.py")
     try:
-        if read_dist_env().world_size < 2:
-            raise ValueError("comm_check.py needs at least 2 processes: launch it with torchrun "
-                             "--nproc-per-node 2 comm_check.py, or sbatch submit_multinode.sh comm_check.py")
         env, device = init_distributed(timeout_s=args.timeout)
-    except (ValueError, RuntimeError) as error:  # bad launch environment: say what, not where
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    except (ValueError, RuntimeError) as error:  # bad launch environment: run_cli says what (exit 2), not where
+        raise ConfigError(str(error)) from error
     try:
         return check(args, env, device)
     except RuntimeError as error:  # a peer died or timed out: the first line says which collective
@@ -386,4 +386,4 @@ def expectation_lines(args: argparse.Namespace, busbw: dict, largest: dict, node
 
 
 if __name__ == "__main__":
-    exit_process(main())  # a rank skips the interpreter's shutdown, as the training scripts do
+    run_cli(main)  # bad input in one line (exit 2); a rank skips the interpreter's shutdown, as the training scripts do

@@ -48,16 +48,15 @@ import json
 
 from utils.config import ConfigError, parse_config
 from utils.memory.estimate import GB, MemoryEstimate, estimate_memory
-from utils.memory.shapes import has_description
+from utils.memory.shapes import MemoryDescription, has_description, model_shape
 from utils.memory.traced import estimate_traced
 from utils.training import run_cli
 
-ACCURACY = {  # what the estimate can promise for each term (utils/memory/estimate.py explains why)
+ACCURACY = {  # what the estimate can promise for each term (utils/memory/estimate.py explains why; the activations:
+    # each model's description, which knows how they were measured)
     "params": "exact",
     "grads": "exact",
     "optimizer": "exact",
-    "activations": {"cpu": "exact (measured on CPU)", "cuda": "modelled; an H200 within 0.1 %"},
-    "activations_conv": {"cpu": "exact (measured on CPU)", "cuda": "modelled"},  # the U-Net: no attention
     "temporary": "approximate",
 }
 
@@ -87,7 +86,9 @@ def add_arguments(parser) -> None:
 GPU_SIZES_GB = (40, 80)  # A100 40/80 GB, H100 80 GB: what the total is compared with on the CUDA path
 
 
-def format_table(estimate: MemoryEstimate) -> str:
+def format_table(estimate: MemoryEstimate, shape: MemoryDescription) -> str:
+    """The hand-written estimate as a table; what it says of the input and of its activations' accuracy is the
+    model's description's (``shape``), so a model of yours is not described in another model's words."""
     s = estimate.setting
     ranks = f"{s['world_size']} rank{'s' if s['world_size'] > 1 else ''}, strategy {s['strategy']}"
     if "cp" in s:
@@ -96,34 +97,15 @@ def format_table(estimate: MemoryEstimate) -> str:
         ranks += f", each block split over {s['tp']} ranks (tp)"
     if s.get("pp", 1) > 1:
         ranks += f", {s['pp']} pipeline stages ({s['pp_schedule']}, {s['pp_microbatches']} microbatches)"
-    model = s.get("model", "SwinIR")
-    lines = [f"{model} training memory estimate — config {s['config']}: {s['num_params']:,} parameters, {ranks}"]
-    if model == "ViT":
-        h, w = s["lr_input"]
-        lines.append(
-            f"  input {h}x{w} fields, patch {s['patch_size']} -> {s['tokens_per_sample']:,} tokens per sample, "
-            f"batch {s['batch_per_rank']} per rank = {s['tokens_per_rank']:,} tokens; device {s['device_type']} "
-            f"({s['attention']} attention); {s['precision']}; activation checkpointing {s['ac']}; "
-            f"loss {s['loss']} ({s['loss_space']})")
-    elif model == "U-Net":
-        side = s["lr_input"][0]
-        lines.append(
-            f"  input {side}³ crops, batch {s['batch_per_rank']} per rank = {s['tokens_per_rank']:,} voxels; "
-            f"device {s['device_type']}; {s['precision']}; activation checkpointing {s['ac']}")
-    else:
-        lines.append(
-            f"  input {s['lr_input'][0]}x{s['lr_input'][1]} low-res{' (the largest band)' if 'cp' in s else ''} "
-            f"(padded {s['padded_input'][0]}x{s['padded_input'][1]}), "
-            f"batch {s['batch_per_rank']} per rank = {s['tokens_per_rank']:,} tokens; device {s['device_type']} "
-            f"({s['attention']} window attention); {s['precision']}; activation checkpointing {s['ac']}")
+    lines = [f"{s['model']} training memory estimate — config {s['config']}: {s['num_params']:,} parameters, {ranks}",
+             shape.input_line(s)]
     if "field" in s:
         lines.append(f"  whole {s['field'][0]}x{s['field'][1]} fields: {s['field_source']}")
     lines += [
         "",
         f"  {'per rank':34s} {'GB':>10s}   accuracy",
     ]
-    accuracy = dict(ACCURACY, activations=ACCURACY["activations_conv" if model == "U-Net" else "activations"][
-        s["device_type"]])
+    accuracy = dict(ACCURACY, activations=shape.activations_accuracy[s["device_type"]])
 
     def row(name, value, note="", indent=2):
         lines.append(f"{' ' * indent}{name:{36 - indent}s} {value / GB:10.3f}   {note}")
@@ -191,7 +173,8 @@ def main(argv=None) -> int:
         print(json.dumps(estimate.to_json()) if args.json else format_traced_table(estimate))
         return 0
     estimate = estimate_memory(cfg, world_size=args.world_size, strategy=strategy, field=field)
-    print(json.dumps(estimate.to_json()) if args.json else format_table(estimate))
+    shape = model_shape(cfg.model, cfg.target_chans)  # the words of the model's own description
+    print(json.dumps(estimate.to_json()) if args.json else format_table(estimate, shape))
     return 0
 
 

@@ -19,14 +19,20 @@ a SIGUSR1, a SIGTERM (srun's, once another node's launcher has exited 75) is ign
 SIGTERM the job script was sent (scancel, preemption) is the job script's to act on, whatever this exits.
 """
 
+import contextlib
+import io
 import os
 import signal
 import sys
+from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.run import main as torchrun
+from torch.distributed.run import determine_local_world_size, parse_args
 
+from utils.config import ConfigError
 from utils.stopping import EXIT_STOPPED
+from utils.training import run_cli
 
 SHUTDOWN_TIMEOUT_S = 600
 """How long torchrun waits for its workers to stop before it kills them (torch >= 2.15 reads it)."""
@@ -46,7 +52,30 @@ def _stop(signum, _frame) -> None:
     raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 
 
-def main() -> None:
+def check_command(argv: list[str]) -> None:
+    """ConfigError (one line, exit 2 through run_cli) for a command torchrun would refuse with its usage block, or
+    for a script that is not there, which torchrun would start on every worker and report once per worker."""
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            args = parse_args(argv)
+    except SystemExit as exit_:
+        if not exit_.code:  # --help, printed to stdout
+            raise
+        line = (said.getvalue().strip().splitlines() or ["bad arguments"])[-1]
+        raise ConfigError(f"{line.split('error: ', 1)[-1]} (see --help)") from None
+    try:  # torchrun reads it only after its parser, with a traceback for a bad value
+        determine_local_world_size(args.nproc_per_node)
+    except ValueError as error:
+        raise ConfigError(f"--nproc-per-node {args.nproc_per_node}: {error} (give a number, gpu, cpu or "
+                          "auto)") from None
+    if not (args.module or args.no_python or Path(args.training_script).is_file()):
+        raise ConfigError(f"{args.training_script}: no such script (give a path to a training script, e.g. "
+                          "train_ddp.py, or -m MODULE)")
+
+
+def main() -> int:
+    check_command(sys.argv[1:])
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
     # Set before torchrun starts its workers; torchrun (re)sets handlers only for the signals it knows.
     signal.signal(signal.SIGUSR1, _stop)
@@ -56,8 +85,9 @@ def main() -> None:
         code = EXIT_STOPPED if _usr1_received else 128 + stop.sigval
         print(f"launch.py: {stop.sigval.name}: the workers were asked to checkpoint their step and stop; continue "
               f"with the same command and --resume auto (exit code {code})", file=sys.stderr, flush=True)
-        sys.exit(code)
+        return code
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -56,7 +56,7 @@ from utils.parallel.distributed import cleanup_distributed, init_distributed, re
 from utils.precision import AMP_DTYPES, autocast
 from utils.predict.inputs import Boxes, CoarseFields, Inputs, SplitFields, hours_to_delta, select, shown
 from utils.predict.model import config_from_checkpoint, load_model, output_shape
-from utils.predict.store import Layout, Store, channel_values, output_format, xarray
+from utils.predict.store import Layout, Store, channel_values, check_writable, output_format, xarray
 from utils.predict.tiles import DEFAULT_OVERLAP, tile_spans, tiled
 from utils.stopping import EXIT_STOPPED, StopRequest, heartbeat, stop_watching
 from utils.training import configure_backends, pick_device, run_cli, show_progress
@@ -106,6 +106,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.tile and args.overlap >= args.tile:
         raise ConfigError(f"--overlap {args.overlap} must be smaller than --tile {args.tile}")
     output_format(Path(args.out))
+    check_writable(Path(args.out))
     xarray()  # the store's writers, before any work: one line that names the one missing
     if Path(args.out).exists():
         raise DataError(f"--out {args.out} exists: choose another name, or delete it to predict again")

@@ -12,11 +12,17 @@
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import subprocess
+import sys
+import time
 
+import psutil
 import pytest
 
 import check_layouts
-from tests.conftest import exit_in_one_process
+from tests.conftest import REPO, exit_in_one_process
 from utils.config import build_config
 from utils.parallel.plans import ModelPlan
 
@@ -75,3 +81,29 @@ def test_batches_have_the_shapes_of_the_task(name, shapes):
 def test_bad_input_is_one_line(capsys, extra, message):
     code, err = exit_in_one_process(capsys, "check_layouts.py", "--config", "vit_quickstart", *extra)
     assert code == 2 and len(err) == 1 and err[0].startswith(message), err
+
+
+@pytest.mark.parametrize("frozen", [{"1"}, {"0", "1"}])
+def test_a_frozen_rank_ends_the_check_within_twice_the_timeout(frozen):
+    # SIGSTOP once the table has begun: rank 1 alone (rank 0's collective times out and names it), or every rank
+    # (none can end itself: the launcher's own deadline, from the ranks' step beats). It waited forever before.
+    timeout_s = 12  # the ranks' start on a loaded 2-core VM is not counted; the check's end, its exit included, is
+    proc = subprocess.Popen([sys.executable, "check_layouts.py", "--config", "unet3d_quickstart", "--crop_size", "16",
+                             "--model_args.widths", "[4, 8]", "--nproc", "2", "--only", "ddp", "--steps", "3",
+                             "--dist_timeout_s", str(timeout_s)], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert proc.stdout.readline().startswith("UNet3D (")  # the ranks have started and built the model
+        for rank in psutil.Process(proc.pid).children():
+            if rank.environ().get("RANK") in frozen:
+                rank.suspend()
+        frozen_at = time.monotonic()
+        out, err = proc.communicate(timeout=4 * timeout_s)
+        took = time.monotonic() - frozen_at
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    assert proc.returncode != 0 and took < 2 * timeout_s, (took, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and re.search(r"rank 1 did not arrive" if frozen == {"1"} else r"ranks 0, 1 hung",
+                                         lines[0]), err

@@ -7,6 +7,7 @@ worked example, run by the pages' tests.
 
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+import estimate_memory
 from models import ModelError, build_model
 from models import spec as specs
 from models.spec import ModelPlan, built_in, register_plan
@@ -314,3 +316,74 @@ def test_a_complex_weight_model_resumes_exactly_and_loads_into_its_own_class(use
     own.load_state_dict(plain)
     assert own.weights.is_complex() and torch.equal(torch.view_as_real(own.weights.detach()),
                                                     straight["parametrizations.weights.original0"])
+
+
+DESCRIBED = '''
+from torch import nn
+from models.spec import ModelSpec, register
+from utils.memory.graphs import Layer
+from utils.memory.shapes import ActivationGraph, MemoryDescription
+
+
+class Described(nn.Module):
+    """One 1x1 convolution, with a hand-written memory description: no windows, nothing padded."""
+
+    def __init__(self, in_chans):
+        super().__init__()
+        self.conv = nn.Conv2d(in_chans, in_chans, 1)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+class DescribedShape(MemoryDescription):
+    name = "Described"
+
+    def __init__(self, chans):
+        self.chans = chans
+
+    @classmethod
+    def from_config(cls, m, target_chans=None):
+        return cls(m.in_chans)
+
+    def num_params(self):
+        return self.chans * self.chans + self.chans
+
+    def num_param_tensors(self):
+        return 2
+
+    def fsdp_units(self, unit):
+        return []
+
+    def cast_weights(self, ac):
+        return self.chans * self.chans
+
+    def activation_graph(self, cfg, device_type, param_dtype, batch, graph_batch, field, lr_size, tp, cp):
+        h, w = cfg.model.img_hw
+        values = graph_batch * self.chans * h * w * 4.0
+        return ActivationGraph([Layer("body", values, 0.0, values)], "fp32", False, "conv2d", (h, w), (h, w),
+                               batch * h * w)
+
+
+register(ModelSpec(Described, memory=DescribedShape))
+'''
+
+
+def test_the_estimate_of_a_model_of_yours_speaks_of_it_in_its_own_words(user_folder, capsys):
+    # The table's input line and the activations' accuracy come from the model's description: it printed SwinIR's
+    # "window attention, padded" line for any model not named ViT or U-Net.
+    (user_folder / "described.py").write_text(DESCRIBED)
+    (user_folder / "described.yaml").write_text("described: {base: vit_quickstart, model: described, "
+                                                "model_class: 'described:Described'}\n")
+    try:
+        assert estimate_memory.main(["--config_file", str(user_folder / "described.yaml"),
+                                     "--config", "described"]) == 0
+    finally:
+        specs._SPECS.pop(next((c for c in specs._SPECS if c.__name__ == "Described"), None), None)
+        sys.modules.pop("described", None)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("Described training memory estimate — config described:"), lines
+    assert re.fullmatch(r"  input \d+x\d+, batch \d+ per rank; device cpu; .*; activation checkpointing none",
+                        lines[1]), lines
+    assert not any(word in line for line in lines for word in ("window", "padded", "SwinIR", "on CPU", "H200")), lines
+    assert "as described (not measured here)" in next(line for line in lines if line.lstrip().startswith("activations"))

@@ -319,3 +319,27 @@ def test_bad_input_is_one_line_and_leaves_nothing(case, match, reference_run, vi
         args = ["--checkpoint", str(vit_reference), "--data_dir", str(_vit_other_grid(tmp_path))]
     expect_error_in_process(capsys, *args, "--out", str(out), script="predict.py", match=match)
     assert out.exists() == (case == "output in use") and not list(tmp_path.glob(".out.zarr*"))
+
+
+@pytest.mark.parametrize("case, match", [
+    ("a zero step", "--times 0:8:0: a step of 0 moves nowhere: give a step of 1 or more"),
+    ("a folder that is a file", "cannot write there"),
+    ("a folder without write permission", "cannot write there"),
+])
+def test_times_and_out_that_once_gave_tracebacks(case, match, reference_run, tmp_path, capsys):
+    # Each was a traceback (Python's slice; the store's first write, after the model had been loaded).
+    out, times = tmp_path / "out.zarr", "0:2"
+    if case == "a zero step":
+        times = "0:8:0"
+    elif case == "a folder that is a file":
+        (tmp_path / "file").touch()
+        out = tmp_path / "file" / "out.zarr"
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root writes whatever the permissions")
+        (tmp_path / "ro").mkdir(mode=0o500)
+        out = tmp_path / "ro" / "out.zarr"
+    expect_error_in_process(capsys, "--checkpoint", str(reference_run), "--times", times, "--out", str(out),
+                            script="predict.py", match=match)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == (["file"] if case == "a folder that is a file" else
+                                                          ["ro"] if "permission" in case else [])

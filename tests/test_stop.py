@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import (REFERENCE_STEPS, REPO, read_metrics, resume_from, run_script, stop_mid_run, tiny_args,
-                            vit_args, weights_at)
+from tests.conftest import (REFERENCE_STEPS, REPO, exit_in_one_process, read_metrics, resume_from, run_script,
+                            stop_mid_run, tiny_args, vit_args, weights_at)
 from tests.test_ddp import assert_same_weights, train_losses
 from tests.test_fsdp import exported
 from tests.test_train import check_error
@@ -224,3 +224,14 @@ def test_bad_input_is_not_retried(tiny_data, tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=180, env=RESTARTABLE)
     assert proc.returncode != 0
     assert (proc.stdout + proc.stderr).count("error: batch_size 3 is the global batch") == 1, proc.stderr[-4000:]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nproc-per-node", "2", "no_such_script.py"], "no_such_script.py: no such script"),
+    (["--nproc-per-node", "x", "train_ddp.py"], "--nproc-per-node x: Unsupported nproc_per_node value"),
+    ([], "the following arguments are required: training_script"),
+])
+def test_launch_bad_input_is_one_line(args, message, capsys):
+    # Through run_cli, as the training scripts: not torchrun's usage block, traceback, or a report per worker.
+    code, err = exit_in_one_process(capsys, "launch.py", *args)
+    assert code == 2 and len(err) == 1 and message in err[0], err

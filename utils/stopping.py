@@ -145,12 +145,16 @@ class StepWatchdog:
     own, on GPUs, aborts the communicator of a timed-out collective), hence this one.
     """
 
-    def __init__(self, timeout_s: float, run_dir):
+    def __init__(self, timeout_s: float, run_dir, beats: bool = False):
         self._timeout_s = timeout_s
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self._ends_rank = dist.is_initialized() and dist.get_world_size() > 1
         self._path = Path(run_dir) / "stacks" / f"rank{self._rank}.txt"
         self._path.parent.mkdir(parents=True, exist_ok=True)
+        # beats: each kick also touches rank<r>.beat beside the stack file, for a launcher that watches its ranks
+        # from outside (check_layouts.py): a rank frozen whole (SIGSTOP, a stopped node) cannot end itself. It stays
+        # after close (the launcher's folder goes with it), so that a rank done is not taken for one not started.
+        self._beat = self._path.with_suffix(".beat") if beats else None
         self._file = open(self._path, "w")  # faulthandler writes to an open file, also without the interpreter
         self._closed = threading.Event()
         self.kick()
@@ -160,6 +164,8 @@ class StepWatchdog:
 
     def kick(self) -> None:
         self._last, self._dumped = time.monotonic(), False
+        if self._beat is not None:
+            self._beat.touch()
         if self._ends_rank:  # re-armed at each kick: only a hang lets it fire
             faulthandler.dump_traceback_later(HANG_BACKSTOP_FRACTION * self._timeout_s, exit=True, file=self._file)
 

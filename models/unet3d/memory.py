@@ -13,7 +13,7 @@ from typing import Optional
 
 from utils.config import ConfigError
 from utils.memory.graphs import Layer, loss_layer, precision_for
-from utils.memory.shapes import ActivationGraph, MemoryDescription
+from utils.memory.shapes import MEASURED_ON_CPU, ActivationGraph, MemoryDescription
 from utils.precision import dtype_bytes
 
 
@@ -32,6 +32,11 @@ class UNet3DShape(MemoryDescription):
         return cls(m.in_chans, m.out_chans, tuple(widths) + ((widths[-1],) if m.model_args["full_scale"] else ()))
 
     name = "U-Net"
+    activations_accuracy = {"cpu": MEASURED_ON_CPU, "cuda": "modelled"}  # no attention: no H200 figure to cite
+
+    def input_line(self, s: dict) -> str:
+        return (f"  input {s['lr_input'][0]}³ crops, batch {s['batch_per_rank']} per rank = {s['tokens_per_rank']:,} "
+                f"voxels; device {s['device_type']}; {s['precision']}; activation checkpointing {s['ac']}")
 
     @property
     def levels(self) -> int:

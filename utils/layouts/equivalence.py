@@ -41,6 +41,7 @@ from utils.parallel.techniques import apply_ac, apply_compile, apply_ddp
 from utils.parallel.tensor_parallel import apply_tp
 from utils.layouts.accepted import Layout, layout_config
 from utils.precision import autocast
+from utils.stopping import heartbeat
 
 TOLERANCE = {"loss": 1e-5, "grads": 1e-3, "weights": 5e-2}
 """The largest relative difference that passes, in fp32: of the loss of each step; of each gradient of each step
@@ -220,6 +221,7 @@ def run_layout(layout: Layout, model: nn.Module, cfg: Config, batches: Batches, 
         optimizer.step()
         if scheduler is not None:
             scheduler.step()
+        heartbeat()  # a step done: the step watchdog's deadline (check_layouts.py's ranks) starts again
     trace.weights = {name: whole(p.detach()).clone() for name, p in run.params.named_parameters() if p.requires_grad}
     return trace
 

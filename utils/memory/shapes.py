@@ -62,6 +62,10 @@ class ActivationGraph:
     """What the printout adds about the input (the field and where its size came from, the patch size, ...)."""
 
 
+MEASURED_ON_CPU = "exact (measured on CPU)"
+"""A built-in description's activations on CPU: its graph was measured there, op by op (utils/memory/measure.py)."""
+
+
 class MemoryDescription:
     """What a hand-written description provides; subclasses are frozen dataclasses of the model's sizes.
 
@@ -69,6 +73,17 @@ class MemoryDescription:
     ``activation_graph``; the rest have defaults for a model that no technique splits further."""
 
     name = "model"
+
+    activations_accuracy = {"cpu": "as described (not measured here)", "cuda": "as described (not measured here)"}
+    """What the activations row promises, per device type, beside the figure: a built-in model's were measured (its
+    memory.py says how close they came)."""
+
+    def input_line(self, s: dict) -> str:
+        """The table's line about the input of one rank (``s``: the estimate's setting); a description with more to
+        say of it (windows and their padding, tokens, crops) says it in its own words."""
+        return (f"  input {'x'.join(map(str, s['lr_input']))}{' (the largest band)' if 'cp' in s else ''}, "
+                f"batch {s['batch_per_rank']} per rank; device {s['device_type']}; {s['precision']}; "
+                f"activation checkpointing {s['ac']}")
 
     @classmethod
     def from_config(cls, model_cfg, target_chans: Optional[int] = None) -> "MemoryDescription":

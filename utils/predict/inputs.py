@@ -219,6 +219,9 @@ def select(coords: np.ndarray, spec: Optional[str]) -> list[int]:
     for part in (p.strip() for p in spec.split(",") if p.strip()):
         if re.fullmatch(r"-?\d+(:-?\d*)?(:\d+)?|:-?\d*(:\d+)?", part):
             bounds = [int(b) if b else None for b in part.split(":")]
+            if len(bounds) == 3 and bounds[2] == 0:  # Python's slice would raise, mid-way through a prediction's set-up
+                raise DataError(f"--times {part}: a step of 0 moves nowhere: give a step of 1 or more, e.g. "
+                                f"--times {part.rpartition(':')[0]}:1")
             picked = list(range(len(coords)))[slice(*bounds)] if ":" in part else [_index(bounds[0], coords, part)]
         elif dated:
             first, _, last = part.partition("/") if "/" in part else _split_dates(part)

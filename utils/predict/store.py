@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -188,6 +189,23 @@ def output_format(out: Path) -> str:
     if suffix not in FORMATS:
         raise DataError(f"--out {out}: name a Zarr store (.zarr) or a netCDF file (.nc)")
     return FORMATS[suffix]
+
+
+def check_writable(out: Path) -> None:
+    """DataError (one line) unless files can be made where the output goes, before any work and before anything of
+    it is written: tried with a file made and removed there, as permissions alone do not tell (root ignores them, a
+    read-only mount does not show in them). Folders still missing are tried at the nearest one there is (the
+    store creates them)."""
+    place = out.parent
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    try:
+        if not place.is_dir():
+            raise NotADirectoryError(f"{place} is a file")
+        tempfile.TemporaryFile(dir=place).close()
+    except OSError as error:
+        raise DataError(f"--out {out}: cannot write there ({error.strerror or error}): choose a folder you can write "
+                        "to") from None
 
 
 class Store:
