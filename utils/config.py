@@ -8,7 +8,7 @@ merge key (``<<: *base``), as in NERSC's tutorials. A script does::
     cfg = parse_config(description=__doc__)            # --config NAME plus --any_key VALUE
 
 and gets a :class:`Config` whose sections (``cfg.data``, ``cfg.model``, ``cfg.train``,
-``cfg.dist``, ``cfg.profile``) are dataclasses with one documented field per key. Keys are
+``cfg.dist``, ``cfg.profile``, ``cfg.ensemble``) are dataclasses with one documented field per key. Keys are
 unique across sections, so the command line and the YAML stay flat: ``--batch_size 4``; a model's argument is
 ``--model_args.embed_dim 16``.
 Unknown keys, unknown config names and values of the wrong type are errors that say what is valid.
@@ -290,7 +290,28 @@ class ProfileConfig:
     """With profile: timed steps per phase of the IO / SYNTHETIC / FULL throughput breakdown after training (0 = skip)."""
 
 
-SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "dist": DistConfig, "profile": ProfileConfig}
+@dataclass
+class EnsembleConfig:
+    """How predict.py --members M perturbs each member's initial state (utils/predict/ensemble.py; Part V)."""
+    perturbation: Literal["gaussian", "spherical", "bred", "lagged"] = "gaussian"
+    """gaussian: independent noise per cell, noise_scale times each channel's std (the model's std); spherical:
+    the same noise smoothed on the sphere over correlation_km (latitude-aware: circles of latitude shrink toward the
+    poles); bred: bred vectors, the growing difference of bred_cycles model steps from noise, rescaled to the same
+    size; lagged: member k starts k model steps earlier (no noise), rolled on to the same verifying times."""
+    noise_scale: float = 0.05
+    """Size of a perturbation per channel, as a fraction of the channel's std (gaussian, spherical: the noise's
+    standard deviation; bred: the bred vector's RMS over the grid)."""
+    correlation_km: float = 500.0
+    """spherical: the Gaussian correlation length of the noise on the Earth's surface, in km."""
+    bred_cycles: int = 3
+    """bred: model steps of breeding: the perturbation grown by one step and rescaled, this many times."""
+    ensemble_seed: int = 0
+    """Seed of the members' noise: member k's noise for an initial time depends on it, k and the time only (not on
+    the ranks or the order of the work)."""
+
+
+SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "dist": DistConfig, "profile": ProfileConfig,
+            "ensemble": EnsembleConfig}
 
 
 @dataclass
@@ -300,6 +321,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    ensemble: EnsembleConfig = field(default_factory=EnsembleConfig)
     name: str = "default"
     stated: frozenset = frozenset()
     """Keys set on the command line: what the data may not replace (utils/data/era5.py's resolve_from_data)."""
@@ -468,6 +490,7 @@ APPLIED_BY: dict[str, tuple[str, ...]] = {
     "dist_timeout_s": (_DDP, _FSDP, _MP, _PP),
     "ckpt_async": (_FSDP, _MP, _PP),
     **dict.fromkeys([f.name for f in dataclasses.fields(ProfileConfig)], ("train_with_profiling.py",)),
+    **dict.fromkeys([f.name for f in dataclasses.fields(EnsembleConfig)], ("predict.py",)),
 }
 CHECKED_SCRIPTS = {"train.py", "train_with_profiling.py", _DDP, _FSDP, _MP, _PP, _ESTIMATE}
 
