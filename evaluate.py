@@ -60,6 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--reference", choices=BASELINES, default=None,
                         help="the scorecard's reference (default persistence; climatology for fields without leads)")
     parser.add_argument("--chunk", type=int, default=8, help="initial times read at once (default 8)")
+    parser.add_argument("--seed", type=int, default=0, help="ensembles: the seed of the rank histogram's ties "
+                                                            "(default 0)")
     return parser.parse_args(argv)
 
 
@@ -228,7 +230,7 @@ def main(argv=None) -> int:
         raise DataError(f"--reference {args.reference} is not among --baselines ({', '.join(args.baselines) or 'none'})")
     grid = grid_of(forecast)
     truth, climatology = open_truth(args, forecast, grid)
-    scores, spectra, notes = evaluate(forecast, truth, climatology, args.baselines, args.chunk)
+    scores, spectra, ranks, notes = evaluate(forecast, truth, climatology, args.baselines, args.chunk, args.seed)
     scores.attrs = {"Conventions": "CF-1.8", "title": "forecast scores by WeatherBench 2's definitions",
                     "source": f"evaluate.py: forecast {args.forecast}, truth {truth.where}",
                     "latitude_weights": "sin(upper cell bound) - sin(lower cell bound), normalised to mean 1; bounds "
@@ -242,6 +244,11 @@ def main(argv=None) -> int:
             replaced_atomically(out) as temporary:
         scores.to_netcdf(temporary)
         spectra.to_netcdf(temporary, mode="a", group="spectra")
+        if ranks is not None:
+            ranks.attrs = {"title": "rank histograms of the truth among the ensemble's members "
+                                    "(utils/predict/ensemble_scores.py)", "source": scores.attrs["source"],
+                           "ties": f"broken at random, seed {args.seed}"}
+            ranks.to_netcdf(temporary, mode="a", group="rank_histogram")
     print(f"evaluate: verifying times matched {notes['verifying_times_matched']}", flush=True)
     print(f"evaluate: {len(grid.variables)} variables, {len(scores.lead_time)} leads, {notes['verifying_times_scored']}"
           f" verifying times scored, {notes['verifying_times_dropped']} dropped (not in the truth) against "
