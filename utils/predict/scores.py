@@ -209,6 +209,20 @@ class Sums:
             into[key][lead] += value
 
 
+def check_alike(other, ds, grid: Grid) -> None:
+    """A forecast scored beside ``ds`` must hold its variables, initial times, leads and grid (no realization)."""
+    if REALIZATION in other.dims:
+        raise DataError("--deterministic holds an ensemble (a realization dimension): give a deterministic forecast")
+    other_grid = grid_of(other)
+    for coord in ("time", "prediction_timedelta", "latitude", "longitude"):
+        if not np.array_equal(np.asarray(other[coord].values), np.asarray(ds[coord].values)):
+            raise DataError(f"--deterministic differs from the forecast in its {coord}: predict both with the same "
+                            "--times and --steps")
+    missing = sorted(set(grid.variables) - set(other_grid.variables))
+    if missing:
+        raise DataError(f"--deterministic lacks the forecast's variable(s) {', '.join(missing)}")
+
+
 def scored_pairs(ds, truth: Fields) -> tuple[np.ndarray, np.ndarray, bool]:
     """(verifying times (time, lead), their positions in the truth, -1 where absent, whether matched by month);
     none there: one line that names where it looked."""
@@ -225,11 +239,12 @@ def scored_pairs(ds, truth: Fields) -> tuple[np.ndarray, np.ndarray, bool]:
 
 
 def evaluate(ds, truth: Fields, climatology: Optional[Climatology], baselines: Sequence[str], chunk: int = 8,
-             seed: int = 0) -> tuple:
+             seed: int = 0, deterministic=None) -> tuple:
     """(scores, spectra, rank histograms or None, notes) of the forecast Dataset ``ds`` against ``truth`` (module
     docstring); ``notes``: what the results' attributes should say (how times were matched, times dropped, the
     climatology used). An ensemble (a ``realization`` dimension) is scored as its mean by the deterministic metrics,
-    and by utils/predict/ensemble_scores.py's (``seed``: the rank histogram's ties)."""
+    and by utils/predict/ensemble_scores.py's (``seed``: the rank histogram's ties); ``deterministic``: a forecast
+    Dataset of the same initial times and leads scored beside it (the same model without perturbations)."""
     grid = grid_of(ds)
     leads, monthly = lead_times(ds)
     initial = np.asarray(ds["time"].values).astype("datetime64[ns]")
@@ -243,7 +258,9 @@ def evaluate(ds, truth: Fields, climatology: Optional[Climatology], baselines: S
     if climatology is not None:
         climatology.prepare(verifying[at >= 0])
     weights = latitude_weights(grid.latitude)
-    kinds = ["model", *[b for b in BASELINES if b in baselines]]
+    if deterministic is not None:
+        check_alike(deterministic, ds, grid)
+    kinds = ["model", *(["deterministic"] if deterministic is not None else []), *[b for b in BASELINES if b in baselines]]
     sums = Sums(kinds, grid, len(leads))
     members = ds.sizes.get(REALIZATION)
     if members is not None and members < 2:
@@ -258,6 +275,9 @@ def evaluate(ds, truth: Fields, climatology: Optional[Climatology], baselines: S
         model = {name: np.asarray(ds[name].isel(time=slice(rows[0], rows[-1] + 1)).values) for name in grid.variables}
         if ensemble is not None:
             spread_out, model = model, {n: v.mean(axis=0, dtype=np.float64) for n, v in model.items()}
+        if deterministic is not None:
+            alone = {name: np.asarray(deterministic[name].isel(time=slice(rows[0], rows[-1] + 1)).values)
+                     for name in grid.variables}
         for lead in range(len(leads)):
             scored = rows[at[rows, lead] >= 0]
             if not len(scored):
@@ -265,6 +285,9 @@ def evaluate(ds, truth: Fields, climatology: Optional[Climatology], baselines: S
             clim = climatology.at(verifying[scored, lead]) if climatology is not None else None
             observed = fields(at[scored, lead])
             sums.add("model", lead, {n: v[scored - first, lead] for n, v in model.items()}, observed, clim, weights)
+            if deterministic is not None:
+                sums.add("deterministic", lead, {n: v[scored - first, lead] for n, v in alone.items()}, observed, clim,
+                         weights)
             if ensemble is not None:
                 ensemble.add(lead, scored, {n: v[:, scored - first, lead] for n, v in spread_out.items()}, observed,
                              weights)
