@@ -47,7 +47,8 @@ from tqdm import tqdm
 from utils.checkpoint.files import barrier, reporting_write_failures
 from utils.checkpoint.reading import read_checkpoint
 from utils.cli import OneLineParser
-from utils.config import ConfigError, EnsembleConfig, field_docs
+from utils.config import ConfigError, EnsembleConfig, field_docs, section_values
+from utils.config_checks import validate_ensemble
 from utils.data.common import DataError
 from utils.data.era5 import channel_sets
 from utils.data.files import scan_split
@@ -337,7 +338,11 @@ def main(argv=None) -> int:
 
     saved = read_checkpoint(args.checkpoint)
     overrides = {"data_dir": args.data_dir} if args.data_dir else {}
-    overrides.update({k[len("cfg__"):]: v for k, v in vars(args).items() if k.startswith("cfg__")})
+    # The ensemble keys checked on their own: a bad one is said as itself, not as a checkpoint that fails to build.
+    ensemble_keys = section_values("ensemble", {k[len("cfg__"):]: v for k, v in vars(args).items()
+                                                if k.startswith("cfg__")})
+    validate_ensemble(EnsembleConfig(**ensemble_keys))
+    overrides.update(ensemble_keys)
     tasks = (args.task,) if args.task else TASKS
     cfg = config_from_checkpoint(saved, overrides, tasks, f"--task {args.task} takes no other task",
                                  config_name=args.config or "",

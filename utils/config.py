@@ -431,6 +431,12 @@ def _resolved_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def section_values(section: str, values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` of keys of one section, typed as build_config types them (ConfigError: the first that is not)."""
+    hints = _resolved_types(SECTIONS[section])
+    return {key: _coerce(key, value, hints[key]) for key, value in values.items()}
+
+
 def build_config(name: str, overrides: Optional[dict[str, Any]] = None, path: Optional[Path] = None,
                  script_defaults: Optional[dict[str, Any]] = None) -> Config:
     """The named config (from ``path``, or any config/*.yaml) with overrides applied, validated.

@@ -46,15 +46,18 @@ class SphereSmoother:
     constant, as on the sphere), then along the meridian a Gaussian of R times the latitude difference. Each kernel
     is scaled to unit L2 norm, so every cell keeps variance 1 (the rows are independent after the first pass). It is
     isotropic to the extent that the two passes commute: well for L small beside the Earth's radius, less toward
-    the poles, where the rows mixed by the second pass were smoothed over different longitudes."""
+    the poles, where the rows mixed by the second pass were smoothed over different longitudes. Cost: an FFT along
+    each circle and a (latitudes x latitudes) product per channel: on ERA5's 721 x 1440, about 1.5 GFLOP a channel."""
 
     def __init__(self, latitude: Sequence[float], width: int, length_km: float):
         lat = np.deg2rad(np.asarray(latitude, dtype=np.float64))
         ratio = EARTH_RADIUS_KM / length_km
-        meridian = np.exp(-0.5 * (ratio * (lat[:, None] - lat[None, :])) ** 2)
+        # A kernel exp(-d^2 / L^2) (width L / sqrt 2): white noise smoothed by it has the correlation of the kernel
+        # convolved with itself, exp(-d^2 / 2L^2).
+        meridian = np.exp(-(ratio * (lat[:, None] - lat[None, :])) ** 2)
         self.meridian = meridian / np.sqrt((meridian ** 2).sum(axis=1, keepdims=True))
         offsets = 2 * np.pi / width * np.minimum(np.arange(width), width - np.arange(width))  # periodic distance
-        circle = np.exp(-0.5 * (ratio * np.cos(lat)[:, None] * offsets[None, :]) ** 2)
+        circle = np.exp(-(ratio * np.cos(lat)[:, None] * offsets[None, :]) ** 2)
         circle /= np.sqrt((circle ** 2).sum(axis=1, keepdims=True))
         self.circle = np.fft.rfft(circle, axis=-1)  # a circular convolution: a product of spectra
         self.width = width
