@@ -498,7 +498,9 @@ APPLIED_BY: dict[str, tuple[str, ...]] = {
     **dict.fromkeys([f.name for f in dataclasses.fields(ProfileConfig)], ("train_with_profiling.py",)),
     **dict.fromkeys([f.name for f in dataclasses.fields(EnsembleConfig)], ("predict.py",)),
 }
-CHECKED_SCRIPTS = {"train.py", "train_with_profiling.py", _DDP, _FSDP, _MP, _PP, _ESTIMATE}
+# predict.py reads a checkpoint's config rather than parsing one, but is listed as the one script that applies the
+# ensemble keys: every training script refuses them set.
+CHECKED_SCRIPTS = {"train.py", "train_with_profiling.py", _DDP, _FSDP, _MP, _PP, _ESTIMATE, "predict.py"}
 
 
 def refuse_unapplied(cfg: Config, script: str) -> None:
