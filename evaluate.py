@@ -18,7 +18,11 @@ The output (utils/predict/scores.py has the definitions): netCDF with a data var
 ``forecast`` (model, persistence, climatology), ``metric`` (rmse, bias, mae, acc), ``lead_time``, [``level``]; the
 zonal energy spectra in its group ``spectra`` (xr.open_dataset(out, group="spectra")). --png writes a scorecard
 (the model's RMSE relative to --reference, per variable and lead) and ``<png>.curves.png`` (RMSE and ACC against
-lead). Bad input is one line and exit code 2; the outputs get their names only when complete.
+lead). An ensemble (a ``realization`` dimension: predict.py --members) is scored as its mean by those metrics and
+by WeatherBench 2's probabilistic ones (CRPS, spreads, spread-skill ratio: more ``metric`` entries; rank histograms in
+the group ``rank_histogram``; utils/predict/ensemble_scores.py), --deterministic scoring a deterministic forecast of
+the same times beside it; --png then adds ``<png>.ensemble.png`` (CRPS against lead, rank histograms). Bad input is
+one line and exit code 2; the outputs get their names only when complete.
 """
 
 from __future__ import annotations
@@ -296,7 +300,14 @@ def main(argv=None) -> int:
         print(f"{label}: lead {leads[0]:g} {unit} RMSE " + ", ".join(
             f"{k} {metric_of(scores, name, level, str(k), 'rmse')[0]:.4g}" for k in scores["forecast"].values),
             flush=True)
-    print(f"wrote {out} (spectra in its group 'spectra')", flush=True)
+    if ranks is not None:
+        for label, name, level in rows[:4]:
+            print(f"{label}: lead {leads[0]:g} {unit} CRPS " + ", ".join(
+                f"{'ensemble' if k == 'model' else k} {metric_of(scores, name, level, str(k), 'crps')[0]:.4g}"
+                for k in scores["forecast"].values) + f"; spread-skill ratio "
+                f"{metric_of(scores, name, level, 'model', 'spread_skill_ratio')[0]:.3g}", flush=True)
+    print(f"wrote {out} (spectra in its group 'spectra'{', rank histograms in rank_histogram' if ranks is not None else ''})",
+          flush=True)
     if args.png:
         png = Path(args.png)
         save_scorecard(png, scores, args.reference)

@@ -177,15 +177,21 @@ def test_probabilistic_scores_equal_independent_implementations(ensemble_store, 
                                                                 capsys):
     from scores.probability import crps_for_ensemble
 
-    out = tmp_path / "scores.nc"
-    assert evaluate.main(["--forecast", str(ensemble_store), "--truth", str(vit_data), "--out", str(out),
-                          "--png", str(tmp_path / "card.png")]) == 0
+    out, alone = tmp_path / "scores.nc", tmp_path / "deterministic.zarr"
+    run_predict(capsys, "--checkpoint", str(vit_reference), "--out", str(alone), "--times", TIMES, "--steps",
+                str(STEPS), "--picture", "none")
+    assert evaluate.main(["--forecast", str(ensemble_store), "--deterministic", str(alone), "--truth", str(vit_data),
+                          "--out", str(out), "--png", str(tmp_path / "card.png")]) == 0
+    assert "CRPS ensemble" in capsys.readouterr().out
     assert (tmp_path / "card.ensemble.png").read_bytes()[:4] == b"\x89PNG"
     with xr.open_zarr(ensemble_store) as ds:
         members = ds["2m_temperature"].values.astype(np.float64)  # (member, time, lead, lat, lon)
         latitude = ds.latitude.values
     truth = _truth(vit_data, "t2m", STEPS)
     with xr.open_dataset(out) as scores, xr.open_dataset(out, group="rank_histogram") as hist:
+        one = scores["2m_temperature"].sel(forecast="deterministic")  # a one-member ensemble: CRPS = MAE
+        np.testing.assert_array_equal(one.sel(metric="crps").values, one.sel(metric="mae").values)
+        assert (one.sel(metric="spread_skill_ratio").values == 0).all()
         got = scores["2m_temperature"].sel(forecast="model")
         histogram = hist["2m_temperature"].values
         assert {"crps", "spread_skill_ratio", "ensemble_mean_rmse", "debiased_ensemble_mean_rmse"} <= set(

@@ -819,8 +819,8 @@ def test_a_newcomer_reaches_a_two_node_job_in_one_short_route():
     assert "docs/quickstart-cluster.md" in "\n".join(readme.splitlines()[:30]), "README's first screen: the quickstart"
     assert quickstart.count("\n") <= 150, "docs/quickstart-cluster.md: one screen per site, 150 lines at most"
     assert "sbatch --nodes 2 " in quickstart and "Kestrel" in quickstart and "Perlmutter" in quickstart
-    for name in ("part1-swinir", "part2-vit", "part3-unet3d", "part4-your-model", "beyond-data-parallel",
-                 "performance", "quickstart-cluster"):
+    for name in ("part1-swinir", "part2-vit", "part3-unet3d", "part4-your-model", "part5-ensembles",
+                 "beyond-data-parallel", "performance", "quickstart-cluster"):
         opening = "\n".join((REPO / "docs" / f"{name}.md").read_text().splitlines()[:25])
         for cue in ("**You need**", "**You will run**", "**It takes**"):
             assert cue in opening, f"docs/{name}.md: its first 25 lines say {cue}"
