@@ -227,9 +227,16 @@ def test_probabilistic_scores_equal_independent_implementations(ensemble_store, 
             import xskillscore
         except ImportError:
             continue
-        np.testing.assert_allclose(got["crps"][lead], xskillscore.crps_ensemble(
-            obs, fcst, member_dim="realization", dim=["latitude", "longitude"], weights=weights.broadcast_like(
-                obs.isel(time=0))).mean().item(), rtol=1e-6)
+        # xskillscore's CRPS is the empirical distribution's (pairs over M^2, not M(M-1)): the same skill, the spread
+        # times (M-1)/M.
+        ecdf = got["crps_skill"][lead] - got["crps_spread"][lead] * (MEMBERS - 1) / MEMBERS
+        per_time = xskillscore.crps_ensemble(obs, fcst, member_dim="realization", dim=["latitude", "longitude"],
+                                             weights=weights.broadcast_like(obs.isel(time=0)))
+        np.testing.assert_allclose(ecdf, per_time.mean().item(), rtol=1e-6)
+        # Its rank histogram counts cells, unweighted, ranks 1..M+1: the same ranks of every cell (no ties here).
+        theirs = xskillscore.rank_histogram(obs, fcst, dim=["time", "latitude", "longitude"], member_dim="realization")
+        ours = ranks(members[:, :, lead], truth[:, lead], np.random.default_rng(0))
+        np.testing.assert_array_equal(theirs.values, np.bincount(ours.ravel(), minlength=MEMBERS + 1))
 
 
 @pytest.mark.parametrize("case, match", [
