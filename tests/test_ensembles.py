@@ -257,3 +257,15 @@ def test_bad_input_is_one_line_and_leaves_nothing(case, match, vit_reference, re
                                      "other"]}[case]
     expect_error_in_process(capsys, *args, "--out", str(out), script="predict.py", match=match)
     assert not out.exists() and not list(tmp_path.glob(".out.zarr*"))
+
+
+def test_a_deterministic_forecast_of_other_times_is_refused_in_one_line(ensemble_store, vit_reference, vit_data,
+                                                                        tmp_path, capsys):
+    other = tmp_path / "other.zarr"
+    run_predict(capsys, "--checkpoint", str(vit_reference), "--out", str(other), "--times", "0:2", "--steps",
+                str(STEPS), "--picture", "none")
+    out = tmp_path / "scores.nc"
+    expect_error_in_process(capsys, "--forecast", str(ensemble_store), "--deterministic", str(other), "--truth",
+                            str(vit_data), "--out", str(out), script="evaluate.py",
+                            match="--deterministic differs from the forecast in its time")
+    assert not out.exists()
