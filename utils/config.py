@@ -292,7 +292,9 @@ class ProfileConfig:
 
 @dataclass
 class EnsembleConfig:
-    """How predict.py --members M perturbs each member's initial state (utils/predict/ensemble.py; Part V)."""
+    """How predict.py --members M perturbs each member's initial state (utils/predict/ensemble.py; Part V). The
+    training scripts apply none of these keys but record them in each checkpoint, where predict.py reads them: a
+    named config states how its model's ensembles are made (not in APPLIED_BY, which would refuse them there)."""
     perturbation: Literal["gaussian", "spherical", "bred", "lagged"] = "gaussian"
     """gaussian: independent noise per cell, noise_scale times each channel's std (the model's std); spherical:
     the same noise smoothed on the sphere over correlation_km (latitude-aware: circles of latitude shrink toward the
@@ -496,11 +498,8 @@ APPLIED_BY: dict[str, tuple[str, ...]] = {
     "dist_timeout_s": (_DDP, _FSDP, _MP, _PP),
     "ckpt_async": (_FSDP, _MP, _PP),
     **dict.fromkeys([f.name for f in dataclasses.fields(ProfileConfig)], ("train_with_profiling.py",)),
-    **dict.fromkeys([f.name for f in dataclasses.fields(EnsembleConfig)], ("predict.py",)),
 }
-# predict.py reads a checkpoint's config rather than parsing one, but is listed as the one script that applies the
-# ensemble keys: every training script refuses them set.
-CHECKED_SCRIPTS = {"train.py", "train_with_profiling.py", _DDP, _FSDP, _MP, _PP, _ESTIMATE, "predict.py"}
+CHECKED_SCRIPTS = {"train.py", "train_with_profiling.py", _DDP, _FSDP, _MP, _PP, _ESTIMATE}
 
 
 def refuse_unapplied(cfg: Config, script: str) -> None:
