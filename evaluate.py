@@ -18,7 +18,11 @@ The output (utils/predict/scores.py has the definitions): netCDF with a data var
 ``forecast`` (model, persistence, climatology), ``metric`` (rmse, bias, mae, acc), ``lead_time``, [``level``]; the
 zonal energy spectra in its group ``spectra`` (xr.open_dataset(out, group="spectra")). --png writes a scorecard
 (the model's RMSE relative to --reference, per variable and lead) and ``<png>.curves.png`` (RMSE and ACC against
-lead). Bad input is one line and exit code 2; the outputs get their names only when complete.
+lead). An ensemble (a ``realization`` dimension: predict.py --members) is scored as its mean by those metrics and
+by WeatherBench 2's probabilistic ones (CRPS, spreads, spread-skill ratio: more ``metric`` entries; rank histograms in
+the group ``rank_histogram``; utils/predict/ensemble_scores.py), --deterministic scoring a deterministic forecast of
+the same times beside it; --png then adds ``<png>.ensemble.png`` (CRPS against lead, rank histograms). Bad input is
+one line and exit code 2; the outputs get their names only when complete.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from utils.training import run_cli
 
 CURVE_ROWS = (("geopotential", 500.0), ("temperature", 850.0), ("2m_temperature", None),
               ("10m_u_component_of_wind", None))  # WeatherBench 2's headline variables, where present
-STYLES = {"model": "o-", "persistence": "s--", "climatology": "^:"}
+STYLES = {"model": "o-", "deterministic": "D-.", "persistence": "s--", "climatology": "^:"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -60,6 +64,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--reference", choices=BASELINES, default=None,
                         help="the scorecard's reference (default persistence; climatology for fields without leads)")
     parser.add_argument("--chunk", type=int, default=8, help="initial times read at once (default 8)")
+    parser.add_argument("--deterministic", default=None, help="ensembles: a deterministic forecast of the same times "
+                        "and leads (predict.py without --members) scored beside them")
+    parser.add_argument("--seed", type=int, default=0, help="ensembles: the seed of the rank histogram's ties "
+                                                            "(default 0)")
     return parser.parse_args(argv)
 
 
@@ -214,6 +222,39 @@ def save_curves(path: Path, scores, dpi: int = 110) -> None:
     _save(fig, path, dpi)
 
 
+def save_ensemble(path: Path, scores, ranks, dpi: int = 110) -> None:
+    """An ensemble's CRPS (top) against lead beside every other forecast scored (a deterministic one's CRPS is its
+    MAE), and (bottom) its rank histogram at each lead, with the flat histogram of a reliable ensemble."""
+    from matplotlib.figure import Figure
+
+    rows = rows_of(scores)
+    shown = [r for r in rows if (r[1], r[2]) in CURVE_ROWS] or rows[:4]
+    leads, unit = lead_labels(scores)
+    fig = Figure(figsize=(3.4 * len(shown) + 0.4, 5.6), layout="constrained")
+    axes = fig.subplots(2, len(shown), squeeze=False)
+    bins = ranks["rank"].values
+    for column, (label, name, level) in enumerate(shown):
+        ax = axes[0, column]
+        for forecast in scores["forecast"].values:
+            kind = str(forecast)
+            ax.plot(leads, metric_of(scores, name, level, kind, "crps"), STYLES[kind],
+                    label="ensemble" if kind == "model" else kind)
+        ax.grid(alpha=0.3)
+        ax.set_title(f"{label} CRPS", fontsize=9)
+        ax.set_xlabel(f"lead time ({unit})")
+        ax = axes[1, column]
+        histogram = ranks[name] if level is None else ranks[name].sel(level=level)
+        for k, lead in enumerate(leads):
+            ax.step(bins, histogram.values[k], where="mid", label=f"{lead:g} {unit}")
+        ax.axhline(1 / len(bins), color="black", linestyle=":", linewidth=1, label="reliable")
+        ax.set_title(f"{label} rank of the truth", fontsize=9)
+        ax.set_xlabel("members below the truth")
+    axes[0, 0].legend(fontsize=8)
+    axes[1, 0].legend(fontsize=7)
+    axes[1, 0].set_ylabel("frequency (area-weighted)")
+    _save(fig, path, dpi)
+
+
 def _save(fig, path: Path, dpi: int) -> None:
     with replaced_atomically(path) as temporary:
         fig.savefig(temporary, format="png", dpi=dpi)
@@ -228,7 +269,9 @@ def main(argv=None) -> int:
         raise DataError(f"--reference {args.reference} is not among --baselines ({', '.join(args.baselines) or 'none'})")
     grid = grid_of(forecast)
     truth, climatology = open_truth(args, forecast, grid)
-    scores, spectra, notes = evaluate(forecast, truth, climatology, args.baselines, args.chunk)
+    deterministic = open_store(Path(args.deterministic)) if args.deterministic else None
+    scores, spectra, ranks, notes = evaluate(forecast, truth, climatology, args.baselines, args.chunk, args.seed,
+                                             deterministic)
     scores.attrs = {"Conventions": "CF-1.8", "title": "forecast scores by WeatherBench 2's definitions",
                     "source": f"evaluate.py: forecast {args.forecast}, truth {truth.where}",
                     "latitude_weights": "sin(upper cell bound) - sin(lower cell bound), normalised to mean 1; bounds "
@@ -242,6 +285,11 @@ def main(argv=None) -> int:
             replaced_atomically(out) as temporary:
         scores.to_netcdf(temporary)
         spectra.to_netcdf(temporary, mode="a", group="spectra")
+        if ranks is not None:
+            ranks.attrs = {"title": "rank histograms of the truth among the ensemble's members "
+                                    "(utils/predict/ensemble_scores.py)", "source": scores.attrs["source"],
+                           "ties": f"broken at random, seed {args.seed}"}
+            ranks.to_netcdf(temporary, mode="a", group="rank_histogram")
     print(f"evaluate: verifying times matched {notes['verifying_times_matched']}", flush=True)
     print(f"evaluate: {len(grid.variables)} variables, {len(scores.lead_time)} leads, {notes['verifying_times_scored']}"
           f" verifying times scored, {notes['verifying_times_dropped']} dropped (not in the truth) against "
@@ -252,13 +300,24 @@ def main(argv=None) -> int:
         print(f"{label}: lead {leads[0]:g} {unit} RMSE " + ", ".join(
             f"{k} {metric_of(scores, name, level, str(k), 'rmse')[0]:.4g}" for k in scores["forecast"].values),
             flush=True)
-    print(f"wrote {out} (spectra in its group 'spectra')", flush=True)
+    if ranks is not None:
+        for label, name, level in rows[:4]:
+            print(f"{label}: lead {leads[0]:g} {unit} CRPS " + ", ".join(
+                f"{'ensemble' if k == 'model' else k} {metric_of(scores, name, level, str(k), 'crps')[0]:.4g}"
+                for k in scores["forecast"].values) + f"; spread-skill ratio "
+                f"{metric_of(scores, name, level, 'model', 'spread_skill_ratio')[0]:.3g}", flush=True)
+    print(f"wrote {out} (spectra in its group 'spectra'{', rank histograms in rank_histogram' if ranks is not None else ''})",
+          flush=True)
     if args.png:
         png = Path(args.png)
         save_scorecard(png, scores, args.reference)
         curves = png.with_suffix(".curves.png")
         save_curves(curves, scores)
-        print(f"pictures: {png}, {curves}", flush=True)
+        pictures = [png, curves]
+        if ranks is not None:
+            pictures.append(png.with_suffix(".ensemble.png"))
+            save_ensemble(pictures[-1], scores, ranks)
+        print(f"pictures: {', '.join(map(str, pictures))}", flush=True)
     return 0
 
 

@@ -5,6 +5,7 @@
     python predict.py --checkpoint runs/vit_quickstart --out forecasts.zarr --steps 8 --times 2015-01-01:2015-01-31
     python predict.py --checkpoint runs/unet3d_quickstart --out box.zarr --tile 32 --overlap 8
     torchrun --nproc-per-node 4 predict.py --checkpoint runs/vit_fsdp/checkpoints/step_00001000 --out f.zarr
+    python predict.py --checkpoint runs/vit_quickstart --out ens.zarr --members 8 --perturbation spherical
 
 The model is rebuilt from the checkpoint's own config (a run folder, a step_N.pt file, a DCP folder of any layout,
 or bare weights such as the original SwinIR's with --config NAME), whatever its class: what differs is the task.
@@ -15,6 +16,10 @@ or bare weights such as the original SwinIR's with --config NAME), whatever its 
 - forecast: each initial time rolled forward --steps model steps (a forecast fed back, as rollout.py does);
   written as WeatherBench 2 lays forecasts out: ``time`` (initial), ``prediction_timedelta``.
 - volume: the whole box of each input (the split's, or --input files in SC22's layout).
+
+- forecast --members M: an ensemble, each member's initial state perturbed as the config's ensemble keys say
+  (--perturbation gaussian, spherical, bred or lagged; utils/predict/ensemble.py), on a first dimension
+  ``realization``; the members are spread over the ranks with the items, each reproducible on its own.
 
 --times chooses the items: indices (0:8, 0,4,9) or dates (2015-01-03, 2015-01-01:2015-01-31). --tile N predicts
 fields and boxes in overlapping N-cell tiles blended over --overlap cells (utils/predict/tiles.py: keep both
@@ -32,7 +37,7 @@ import itertools
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -42,7 +47,8 @@ from tqdm import tqdm
 from utils.checkpoint.files import barrier, reporting_write_failures
 from utils.checkpoint.reading import read_checkpoint
 from utils.cli import OneLineParser
-from utils.config import ConfigError
+from utils.config import ConfigError, EnsembleConfig, field_docs, section_values
+from utils.config_checks import validate_ensemble
 from utils.data.common import DataError
 from utils.data.era5 import channel_sets
 from utils.data.files import scan_split
@@ -54,6 +60,7 @@ from utils.observe.pictures import save_diagnostic_png, save_forecast_png, save_
 from utils.observe.scores import bicubic_upsample
 from utils.parallel.distributed import cleanup_distributed, init_distributed, read_dist_env
 from utils.precision import AMP_DTYPES, autocast
+from utils.predict.ensemble import Ensemble
 from utils.predict.inputs import Boxes, CoarseFields, Inputs, SplitFields, hours_to_delta, select, shown
 from utils.predict.model import config_from_checkpoint, load_model, output_shape
 from utils.predict.store import Layout, Store, channel_values, check_writable, output_format, xarray
@@ -80,6 +87,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                       "2015-01-01:2015-01-31 (default: all)")
     parser.add_argument("--steps", type=int, default=None, help=f"forecast: model steps per initial time "
                                                                 f"(default {DEFAULT_STEPS})")
+    parser.add_argument("--members", type=int, default=None, help="forecast: an ensemble of this many members "
+                                                                  "(default: one deterministic forecast)")
+    ensemble = parser.add_argument_group("ensemble (--members: the checkpoint's config's keys, overridden here)")
+    for name, doc in field_docs(EnsembleConfig).items():
+        ensemble.add_argument(f"--{name}", dest=f"cfg__{name}", metavar="V", default=argparse.SUPPRESS,
+                              help=doc)  # text, typed by the config as a YAML value is
     parser.add_argument("--tile", type=int, default=0, help="tile side in input cells (default 0: whole fields)")
     parser.add_argument("--overlap", type=int, default=DEFAULT_OVERLAP,
                         help=f"input cells shared by neighbouring tiles (default {DEFAULT_OVERLAP})")
@@ -99,7 +112,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    for name, least in (("steps", 1), ("tile", 0), ("overlap", 0), ("batch_size", 1)):
+    for name, least in (("steps", 1), ("members", 2), ("tile", 0), ("overlap", 0), ("batch_size", 1)):
         value = getattr(args, name)
         if value is not None and value < least:
             raise ConfigError(f"--{name} must be >= {least}, got {value}")
@@ -211,8 +224,8 @@ def memory_needed(model, device: torch.device, args, input_shape: tuple[int, ...
 class Predictor:
     """The model applied to a batch of items: whole or in tiles, under autocast, rolled forward for forecasts."""
 
-    def __init__(self, model, device: torch.device, args, steps: Optional[int]):
-        self.model, self.device, self.args, self.steps = model, device, args, steps
+    def __init__(self, model, device: torch.device, args, steps: Optional[int], ensemble: Optional[Ensemble] = None):
+        self.model, self.device, self.args, self.steps, self.ensemble = model, device, args, steps, ensemble
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         heartbeat()  # a long batch of tiles is not a hang (utils.stopping.StepWatchdog)
@@ -225,19 +238,31 @@ class Predictor:
         return self._forward(x)
 
     @torch.no_grad()
-    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
-        """(items, [leads], channels, *grid) on the CPU."""
+    def __call__(self, batch: torch.Tensor, items: Sequence[int] = (), member: Optional[int] = None) -> torch.Tensor:
+        """(items, [leads], channels, *grid) on the CPU; of ensemble member ``member`` where given (``batch``:
+        the inputs it starts from, ``items``: the items it forecasts)."""
         x = batch.to(self.device)
         if self.steps is None:
             return self.one_step(x).cpu()
+        extra = 0
+        if member is not None:
+            x = self.ensemble.perturb(x, items, member, self.one_step)
+            extra = self.ensemble.extra_steps(member)  # a lagged member's steps up to the initial time
         leads = []
-        for _ in range(self.steps):  # each forecast fed back in fp32, as rollout.py does
+        for step in range(extra + self.steps):  # each forecast fed back in fp32, as rollout.py does
             x = self.one_step(x)
-            leads.append(x.cpu())
+            if step >= extra:
+                leads.append(x.cpu())
         return torch.stack(leads, dim=1)
 
 
-def layout_for(cfg, inputs: Inputs, out_shape, scale: int, steps: Optional[int]) -> Layout:
+def layout_grid_latitude(inputs: Inputs, scale: int, out_shape) -> Optional[np.ndarray]:
+    """The output grid's latitudes (degrees), where it has them."""
+    grid = inputs.grid(scale, out_shape[1:])
+    return grid["latitude"][0] if "latitude" in grid else None
+
+
+def layout_for(cfg, inputs: Inputs, out_shape, scale: int, steps: Optional[int], members: Optional[int]) -> Layout:
     leads = step = None
     if steps is not None:
         step = inputs.step()
@@ -249,10 +274,11 @@ def layout_for(cfg, inputs: Inputs, out_shape, scale: int, steps: Optional[int])
     channels = list(cfg.data.channel_names) or [f"channel {c}" for c in range(out_shape[0])]
     units = getattr(inputs, "units", None) or [None] * len(channels)
     return Layout(channels, units, inputs.dim, inputs.grid(scale, out_shape[1:]), leads,
-                  step.times(cfg.data.lead) if step else None)
+                  step.times(cfg.data.lead) if step else None, members)
 
 
-def describe(cfg, saved, args, inputs: Inputs, chosen: list[int], steps: Optional[int]) -> tuple[dict, dict, dict]:
+def describe(cfg, saved, args, inputs: Inputs, chosen: list[int], steps: Optional[int],
+             ensemble: Optional[Ensemble]) -> tuple[dict, dict, dict]:
     """(the store's attributes, its item coordinate's attributes, the request a resumed run must repeat)."""
     source = inputs.source
     attrs = {"Conventions": "CF-1.8", "title": f"predictions of a {cfg.model.model} model, task {cfg.data.task}",
@@ -261,11 +287,14 @@ def describe(cfg, saved, args, inputs: Inputs, chosen: list[int], steps: Optiona
              "amp_dtype": args.amp_dtype, "tiles": f"{args.tile} cells, overlap {args.overlap}" if args.tile else "none"}
     if inputs.notes:
         attrs["comment"] = "; ".join(inputs.notes)
+    if ensemble is not None:
+        attrs["ensemble"] = ", ".join(f"{k} {v}" for k, v in ensemble.describe().items())
     item_attrs = {"long_name": "initial time of the forecast" if steps else "valid time"} if inputs.dim == "time" \
         else {"long_name": "input box", "units": "1"}
     request = {"checkpoint": str(saved.path.resolve()), "step": saved.step, "inputs": source, "rename": args.rename,
                "items": [str(c) for c in np.asarray(inputs.coords)[chosen]], "steps": steps, "tile": args.tile,
-               "overlap": args.overlap, "batch_size": args.batch_size, "amp_dtype": args.amp_dtype}
+               "overlap": args.overlap, "batch_size": args.batch_size, "amp_dtype": args.amp_dtype,
+               **({"ensemble": ensemble.describe()} if ensemble is not None else {})}
     return attrs, item_attrs, request
 
 
@@ -278,6 +307,7 @@ def save_picture(path: Path, cfg, inputs: Inputs, first: int, out: Path, steps: 
     names = list(cfg.data.channel_names)
     opened = xr.open_zarr(out, chunks=None) if out.suffix == ".zarr" else xr.open_dataset(out)
     with opened as ds:
+        ds = ds.isel(realization=0) if "realization" in ds.dims else ds  # an ensemble's first member
         pred = torch.from_numpy(channel_values(ds, names)[0])
     x = inputs.read(first)
     if cfg.data.task == "sr":
@@ -309,11 +339,21 @@ def main(argv=None) -> int:
 
     saved = read_checkpoint(args.checkpoint)
     overrides = {"data_dir": args.data_dir} if args.data_dir else {}
+    # The ensemble keys checked on their own: a bad one is said as itself, not as a checkpoint that fails to build.
+    ensemble_keys = section_values("ensemble", {k[len("cfg__"):]: v for k, v in vars(args).items()
+                                                if k.startswith("cfg__")})
+    validate_ensemble(EnsembleConfig(**ensemble_keys))
+    overrides.update(ensemble_keys)
     tasks = (args.task,) if args.task else TASKS
     cfg = config_from_checkpoint(saved, overrides, tasks, f"--task {args.task} takes no other task",
                                  config_name=args.config or "",
                                  config_file=Path(args.config_file) if args.config_file else None)
     steps = (args.steps or DEFAULT_STEPS) if cfg.data.task == "forecast" else None
+    said = [k[len("cfg__"):] for k in vars(args) if k.startswith("cfg__")]
+    if (args.members or said) and cfg.data.task != "forecast":
+        raise ConfigError(f"--members and the ensemble keys are for forecasts; this checkpoint's task is {cfg.data.task}")
+    if said and not args.members:
+        raise ConfigError(f"--{said[0]} perturbs an ensemble's members: give --members M")
     inputs = open_inputs(cfg, args)
     chosen = select(np.asarray(inputs.coords), args.times)
     configure_backends(cfg)
@@ -322,21 +362,32 @@ def main(argv=None) -> int:
     need = memory_needed(model, device, args, (args.batch_size, *inputs.read(0).shape))
     if args.compile:
         model = torch.compile(model)
-    layout = layout_for(cfg, inputs, out_shape, scale, steps)
-    attrs, item_attrs, request = describe(cfg, saved, args, inputs, chosen, steps)
+    ensemble = None
+    if args.members:
+        latitude = layout_grid_latitude(inputs, scale, out_shape)
+        ensemble = Ensemble(cfg, args.members, latitude, inputs)
+        for member in range(args.members):  # a lagged member without its start: said before anything is written
+            for item in chosen:
+                ensemble.start(item, member)
+    layout = layout_for(cfg, inputs, out_shape, scale, steps, args.members)
+    attrs, item_attrs, request = describe(cfg, saved, args, inputs, chosen, steps, ensemble)
 
     store = Store(args.out, request)
     batch = args.batch_size
-    units = [chosen[u:u + batch] for u in range(0, len(chosen), batch)]
+    batches = [chosen[u:u + batch] for u in range(0, len(chosen), batch)]
+    # A unit is one batch of items of one member (None: the deterministic forecast); units are dealt to the ranks
+    # in turn, so that M members of few times keep every rank busy.
+    units = [(member, items) for member in (range(args.members) if args.members else [None]) for items in batches]
     done = store.prepare(lambda: layout.template(np.asarray(inputs.coords)[chosen], attrs, item_attrs, batch),
                          len(units))
     mine = [u for u in range(len(units)) if u % world == rank and u not in done]
-    predictor = Predictor(model, device, args, steps)
+    predictor = Predictor(model, device, args, steps, ensemble)
     if rank == 0:
-        resumed = f", {sum(len(units[u]) for u in done)} written before" if done else ""
+        resumed = f", {sum(len(units[u][1]) for u in done)} written before" if done else ""
         what = f"{steps} steps of {layout.lead_text} from each " if steps else ""
+        members = f" x {args.members} members ({cfg.ensemble.perturbation})" if args.members else ""
         print(f"predict: {cfg.data.task} with {saved.path} (step {saved.step}) on {device}: {what}{len(chosen)} of "
-              f"{inputs.count(len(inputs))}{resumed}, {world} rank{'s' if world > 1 else ''}", flush=True)
+              f"{inputs.count(len(inputs))}{members}{resumed}, {world} rank{'s' if world > 1 else ''}", flush=True)
         how = f"in {args.tile}-cell tiles" if args.tile else "whole"
         if need is not None:
             print(f"memory: {need / GB:.3g} GB estimated for one batch of {inputs.count(args.batch_size)} ({how}), "
@@ -349,17 +400,19 @@ def main(argv=None) -> int:
         counts = torch.tensor([rounds])
         dist.all_reduce(counts, op=dist.ReduceOp.MAX)
         rounds = int(counts)
-    todo = sum(len(units[u]) for u in range(len(units)) if u not in done)
+    todo = sum(len(units[u][1]) for u in range(len(units)) if u not in done)
     bar = tqdm(total=todo, disable=rank != 0 or not show_progress(args.progress), unit=inputs.dim)
     started = time.perf_counter()
 
     def read(unit: int) -> torch.Tensor:
-        return torch.stack([inputs.read(i) for i in units[unit]])
+        member, items = units[unit]
+        return torch.stack([inputs.read(ensemble.start(i, member) if ensemble else i) for i in items])
 
     def write(values: np.ndarray, unit: int) -> None:
+        member, items = units[unit]
         with reporting_write_failures("prediction", store.partial, hint="free space and run the same command again "
                                       "to continue"):
-            store.write(layout.region(values), chosen.index(units[unit][0]), unit)
+            store.write(layout.region(values), chosen.index(items[0]), unit, member)
 
     # On a GPU, reading the next batch and writing the last one overlap the prediction: one thread each, one batch
     # ahead. On the CPU they would share its cores and the GIL with the forward (2 cores, 48-cell tiles: 5.9 times/s
@@ -376,11 +429,11 @@ def main(argv=None) -> int:
             if r < len(mine):
                 x = batch.result()
                 batch = reader.submit(read, mine[r + 1]) if r + 1 < len(mine) else None
-                values = predictor(x).numpy()
+                values = predictor(x, units[mine[r]][1], units[mine[r]][0]).numpy()
                 if written_unit is not None:
                     written_unit.result()
                 written_unit = writer.submit(write, values, mine[r])
-                written = len(units[mine[r]])
+                written = len(units[mine[r]][1])
             if world > 1:
                 count = torch.tensor([written])
                 dist.all_reduce(count)
@@ -400,7 +453,8 @@ def main(argv=None) -> int:
     if rank == 0:
         out = store.finish(len(units))
         elapsed = time.perf_counter() - started
-        print(f"wrote {out}: {inputs.count(len(chosen))} of {', '.join(layout.variables)} "
+        members = f" x {args.members} members" if args.members else ""
+        print(f"wrote {out}: {inputs.count(len(chosen))}{members} of {', '.join(layout.variables)} "
               f"({todo / max(elapsed, 1e-9):.2f} {inputs.plural}/s)", flush=True)
         if device.type == "cuda":
             print(f"memory: {torch.cuda.max_memory_allocated(device) / GB:.3g} GB measured (the peak of this run, "

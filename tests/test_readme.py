@@ -109,6 +109,10 @@ CPU_RUN = {
     "--run_dir runs/fno_ddp": "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 4 --batch_size 4",
     "torchrun --standalone --nproc-per-node 2 train_fsdp.py --config_file examples/fno/fno.yaml --config fno_quickstart "
     "--ac block --run_dir runs/fno_fsdp": "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 4 --batch_size 4",
+    # docs/part5-ensembles.md: torchrun, but no training: it runs as written on the stand-in
+    "torchrun --standalone --nproc-per-node 2 predict.py --checkpoint runs/vit_quickstart --out "
+    "runs/vit_quickstart/ensemble_2ranks.zarr --steps 4 --times 2015-01-01 --members 8 --perturbation spherical "
+    "--correlation_km 1000": "... --progress never",
     # docs/beyond-data-parallel.md
     "torchrun --standalone --nproc-per-node 2 train_mp.py --config vit_quickstart --tp 2 --run_dir runs/vit_tp2":
         "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 4 --batch_size 4",
@@ -819,8 +823,8 @@ def test_a_newcomer_reaches_a_two_node_job_in_one_short_route():
     assert "docs/quickstart-cluster.md" in "\n".join(readme.splitlines()[:30]), "README's first screen: the quickstart"
     assert quickstart.count("\n") <= 150, "docs/quickstart-cluster.md: one screen per site, 150 lines at most"
     assert "sbatch --nodes 2 " in quickstart and "Kestrel" in quickstart and "Perlmutter" in quickstart
-    for name in ("part1-swinir", "part2-vit", "part3-unet3d", "part4-your-model", "beyond-data-parallel",
-                 "performance", "quickstart-cluster"):
+    for name in ("part1-swinir", "part2-vit", "part3-unet3d", "part4-your-model", "part5-ensembles",
+                 "beyond-data-parallel", "performance", "quickstart-cluster"):
         opening = "\n".join((REPO / "docs" / f"{name}.md").read_text().splitlines()[:25])
         for cue in ("**You need**", "**You will run**", "**It takes**"):
             assert cue in opening, f"docs/{name}.md: its first 25 lines say {cue}"

@@ -8,7 +8,7 @@ merge key (``<<: *base``), as in NERSC's tutorials. A script does::
     cfg = parse_config(description=__doc__)            # --config NAME plus --any_key VALUE
 
 and gets a :class:`Config` whose sections (``cfg.data``, ``cfg.model``, ``cfg.train``,
-``cfg.dist``, ``cfg.profile``) are dataclasses with one documented field per key. Keys are
+``cfg.dist``, ``cfg.profile``, ``cfg.ensemble``) are dataclasses with one documented field per key. Keys are
 unique across sections, so the command line and the YAML stay flat: ``--batch_size 4``; a model's argument is
 ``--model_args.embed_dim 16``.
 Unknown keys, unknown config names and values of the wrong type are errors that say what is valid.
@@ -290,7 +290,30 @@ class ProfileConfig:
     """With profile: timed steps per phase of the IO / SYNTHETIC / FULL throughput breakdown after training (0 = skip)."""
 
 
-SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "dist": DistConfig, "profile": ProfileConfig}
+@dataclass
+class EnsembleConfig:
+    """How predict.py --members M perturbs each member's initial state (utils/predict/ensemble.py; Part V). The
+    training scripts apply none of these keys but record them in each checkpoint, where predict.py reads them: a
+    named config states how its model's ensembles are made (not in APPLIED_BY, which would refuse them there)."""
+    perturbation: Literal["gaussian", "spherical", "bred", "lagged"] = "gaussian"
+    """gaussian: independent noise per cell, noise_scale times each channel's std (the model's std); spherical:
+    the same noise smoothed on the sphere over correlation_km (latitude-aware: circles of latitude shrink toward the
+    poles); bred: bred vectors, the growing difference of bred_cycles model steps from noise, rescaled to the same
+    size; lagged: member k starts k model steps earlier (no noise), rolled on to the same verifying times."""
+    noise_scale: float = 0.05
+    """Size of a perturbation per channel, as a fraction of the channel's std (gaussian, spherical: the noise's
+    standard deviation; bred: the bred vector's RMS over the grid)."""
+    correlation_km: float = 500.0
+    """spherical: the Gaussian correlation length of the noise on the Earth's surface, in km."""
+    bred_cycles: int = 3
+    """bred: model steps of breeding: the perturbation grown by one step and rescaled, this many times."""
+    ensemble_seed: int = 0
+    """Seed of the members' noise: member k's noise for an initial time depends on it, k and the time only (not on
+    the ranks or the order of the work)."""
+
+
+SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "dist": DistConfig, "profile": ProfileConfig,
+            "ensemble": EnsembleConfig}
 
 
 @dataclass
@@ -300,6 +323,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    ensemble: EnsembleConfig = field(default_factory=EnsembleConfig)
     name: str = "default"
     stated: frozenset = frozenset()
     """Keys set on the command line: what the data may not replace (utils/data/era5.py's resolve_from_data)."""
@@ -407,6 +431,12 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
 
 def _resolved_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
+
+
+def section_values(section: str, values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` of keys of one section, typed as build_config types them (ConfigError: the first that is not)."""
+    hints = _resolved_types(SECTIONS[section])
+    return {key: _coerce(key, value, hints[key]) for key, value in values.items()}
 
 
 def build_config(name: str, overrides: Optional[dict[str, Any]] = None, path: Optional[Path] = None,

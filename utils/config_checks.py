@@ -13,6 +13,13 @@ import math
 from utils.config_files import ConfigError
 
 
+def validate_ensemble(e) -> None:
+    """ConfigError for an ensemble section (utils.config.EnsembleConfig) whose values cannot work."""
+    if not (0 <= e.noise_scale < math.inf and 0 < e.correlation_km < math.inf and e.bred_cycles >= 1):
+        raise ConfigError(f"noise_scale must be >= 0, correlation_km > 0 and bred_cycles >= 1, got {e.noise_scale}, "
+                          f"{e.correlation_km}, {e.bred_cycles}")
+
+
 def validate(cfg) -> None:
     """ConfigError for the first value of ``cfg`` (a utils.config.Config) that cannot work; fills in a built-in
     model's model_class."""
@@ -25,6 +32,7 @@ def validate(cfg) -> None:
                 "num_workers", "train_samples", "val_samples", "val_batch_size", "crop_size"):
         if not 0 <= values[key] < math.inf:
             raise ConfigError(f"{key} must be >= 0, got {values[key]}")
+    validate_ensemble(cfg.ensemble)
     if t.max_steps == 0 and t.epochs == 0:
         raise ConfigError("set epochs > 0 or max_steps > 0")
     if d.task == "sr" and d.crop_size and d.crop_size % m.upscale:

@@ -64,6 +64,11 @@ class Inputs:
         """The output's spatial coordinates {name: (values, CF attributes)} for an output of ``shape``."""
         raise NotImplementedError
 
+    def earlier(self, index: int, steps: int) -> Optional[int]:
+        """The item ``steps`` model steps before item ``index`` in the same run of times (a lagged ensemble's
+        start), None where the data holds none."""
+        return None
+
 
 def _latitude_attrs(order: str) -> dict:
     return {"units": "degrees_north", "standard_name": "latitude", "long_name": "latitude", "axis": "Y",
@@ -122,13 +127,23 @@ class SplitFields(Inputs):
         field = self.dataset.read_field(*self.places[index])[self.inputs]
         return bicubic_downsample(field, self.upscale) if self.upscale > 1 else field
 
-    def truth(self, index: int, lead: int = 0) -> Optional[torch.Tensor]:
+    def _shifted(self, index: int, lead: int) -> Optional[int]:
+        """The item ``lead`` model steps after item ``index`` (before it where negative) in the same file and run of
+        consecutive times; None beyond the file or across a gap in time."""
         file, day = self.places[index]
         later = day + lead * self.lead
         segments = self.files[file].segments or (0,)
-        if later >= self.files[file].days or sum(s <= day for s in segments) != sum(s <= later for s in segments):
-            return None  # beyond the file, or across a gap in time
-        return self.dataset.read_field(file, later)[self.targets]
+        if not 0 <= later < self.files[file].days or sum(s <= day for s in segments) != sum(s <= later for s in
+                                                                                            segments):
+            return None
+        return index + later - day
+
+    def truth(self, index: int, lead: int = 0) -> Optional[torch.Tensor]:
+        at = self._shifted(index, lead)
+        return None if at is None else self.dataset.read_field(*self.places[at])[self.targets]
+
+    def earlier(self, index: int, steps: int) -> Optional[int]:
+        return self._shifted(index, -steps)
 
     def step(self) -> Step:
         """The spacing of the split's samples, from its record (6 h assumed where it records none)."""

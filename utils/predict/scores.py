@@ -25,10 +25,12 @@ Definitions (WeatherBench 2, weatherbench2/metrics.py; Rasp et al. 2024, "Weathe
   the spectra are averaged over latitudes with the weights above, then over times.
 
 Results: a Dataset with one data variable per forecast variable, dims ``forecast`` (model, persistence,
-climatology), ``metric`` (rmse, bias, mae, acc), ``lead_time``, and ``level`` where the variable has levels; the
+climatology), ``metric`` (rmse, bias, mae, acc; for an ensemble also utils/predict/ensemble_scores.py's, the
+deterministic ones of its mean), ``lead_time``, and ``level`` where the variable has levels; the
 coordinate ``samples`` (forecast, lead_time) counts the initial times scored. Spectra: a second Dataset of the same
 variables, dims ``forecast`` (the same, and ``truth``: the truth at the model's verifying times), ``lead_time``,
-[``level``], ``zonal_wavenumber``.
+[``level``], ``zonal_wavenumber``. Rank histograms (ensembles): a third Dataset, dims ``lead_time``, [``level``],
+``rank``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from utils.data.common import DataError
+from utils.predict.ensemble_scores import ENSEMBLE_METRICS, REALIZATION, EnsembleSums, as_one_member
 from utils.predict.truth import Climatology, Fields, Grid, is_monthly, months_of
 from utils.predict.store import MONTHS, xarray
 
@@ -162,9 +165,10 @@ def grid_of(ds) -> Grid:
         raise DataError("the forecast's initial times are not dates (its data recorded none): no verifying time can "
                         "be matched")
     variables = {}
+    ensemble = (REALIZATION,) if REALIZATION in ds.dims else ()  # an ensemble's members first, on every variable
     for name, var in ds.data_vars.items():
-        plain = ("time", "prediction_timedelta", "latitude", "longitude")
-        if var.dims not in (plain, (*plain[:2], "level", *plain[2:])):
+        plain = (*ensemble, "time", "prediction_timedelta", "latitude", "longitude")
+        if var.dims not in (plain, (*plain[:-2], "level", *plain[-2:])):
             raise DataError(f"forecast variable {name} has dims {var.dims}, expected {plain} with 'level' after the "
                             "lead where it has levels")
         variables[name] = "level" in var.dims
@@ -205,6 +209,20 @@ class Sums:
             into[key][lead] += value
 
 
+def check_alike(other, ds, grid: Grid) -> None:
+    """A forecast scored beside ``ds`` must hold its variables, initial times, leads and grid (no realization)."""
+    if REALIZATION in other.dims:
+        raise DataError("--deterministic holds an ensemble (a realization dimension): give a deterministic forecast")
+    other_grid = grid_of(other)
+    for coord in ("time", "prediction_timedelta", "latitude", "longitude"):
+        if not np.array_equal(np.asarray(other[coord].values), np.asarray(ds[coord].values)):
+            raise DataError(f"--deterministic differs from the forecast in its {coord}: predict both with the same "
+                            "--times and --steps")
+    missing = sorted(set(grid.variables) - set(other_grid.variables))
+    if missing:
+        raise DataError(f"--deterministic lacks the forecast's variable(s) {', '.join(missing)}")
+
+
 def scored_pairs(ds, truth: Fields) -> tuple[np.ndarray, np.ndarray, bool]:
     """(verifying times (time, lead), their positions in the truth, -1 where absent, whether matched by month);
     none there: one line that names where it looked."""
@@ -220,9 +238,13 @@ def scored_pairs(ds, truth: Fields) -> tuple[np.ndarray, np.ndarray, bool]:
     return verifying, at, by_month
 
 
-def evaluate(ds, truth: Fields, climatology: Optional[Climatology], baselines: Sequence[str], chunk: int = 8) -> tuple:
-    """(scores, spectra, notes) of the forecast Dataset ``ds`` against ``truth`` (module docstring); ``notes``: what
-    the results' attributes should say (how times were matched, times dropped, the climatology used)."""
+def evaluate(ds, truth: Fields, climatology: Optional[Climatology], baselines: Sequence[str], chunk: int = 8,
+             seed: int = 0, deterministic=None) -> tuple:
+    """(scores, spectra, rank histograms or None, notes) of the forecast Dataset ``ds`` against ``truth`` (module
+    docstring); ``notes``: what the results' attributes should say (how times were matched, times dropped, the
+    climatology used). An ensemble (a ``realization`` dimension) is scored as its mean by the deterministic metrics,
+    and by utils/predict/ensemble_scores.py's (``seed``: the rank histogram's ties); ``deterministic``: a forecast
+    Dataset of the same initial times and leads scored beside it (the same model without perturbations)."""
     grid = grid_of(ds)
     leads, monthly = lead_times(ds)
     initial = np.asarray(ds["time"].values).astype("datetime64[ns]")
@@ -236,8 +258,14 @@ def evaluate(ds, truth: Fields, climatology: Optional[Climatology], baselines: S
     if climatology is not None:
         climatology.prepare(verifying[at >= 0])
     weights = latitude_weights(grid.latitude)
-    kinds = ["model", *[b for b in BASELINES if b in baselines]]
+    if deterministic is not None:
+        check_alike(deterministic, ds, grid)
+    kinds = ["model", *(["deterministic"] if deterministic is not None else []), *[b for b in BASELINES if b in baselines]]
     sums = Sums(kinds, grid, len(leads))
+    members = ds.sizes.get(REALIZATION)
+    if members is not None and members < 2:
+        raise DataError(f"the forecast's ensemble has {members} member: the fair CRPS and the spread need 2 or more")
+    ensemble = EnsembleSums(grid.variables, members, len(leads), seed) if members else None
     for first in range(0, len(initial), chunk):
         rows = np.arange(first, min(first + chunk, len(initial)))
         wanted = sorted({*at[rows][at[rows] >= 0].tolist(), *start_at[rows][start_at[rows] >= 0].tolist()})
@@ -245,6 +273,11 @@ def evaluate(ds, truth: Fields, climatology: Optional[Climatology], baselines: S
         where = {index: k for k, index in enumerate(wanted)}
         fields = lambda indices: {n: v[[where[i] for i in indices]] for n, v in read.items()}
         model = {name: np.asarray(ds[name].isel(time=slice(rows[0], rows[-1] + 1)).values) for name in grid.variables}
+        if ensemble is not None:
+            spread_out, model = model, {n: v.mean(axis=0, dtype=np.float64) for n, v in model.items()}
+        if deterministic is not None:
+            alone = {name: np.asarray(deterministic[name].isel(time=slice(rows[0], rows[-1] + 1)).values)
+                     for name in grid.variables}
         for lead in range(len(leads)):
             scored = rows[at[rows, lead] >= 0]
             if not len(scored):
@@ -252,6 +285,12 @@ def evaluate(ds, truth: Fields, climatology: Optional[Climatology], baselines: S
             clim = climatology.at(verifying[scored, lead]) if climatology is not None else None
             observed = fields(at[scored, lead])
             sums.add("model", lead, {n: v[scored - first, lead] for n, v in model.items()}, observed, clim, weights)
+            if deterministic is not None:
+                sums.add("deterministic", lead, {n: v[scored - first, lead] for n, v in alone.items()}, observed, clim,
+                         weights)
+            if ensemble is not None:
+                ensemble.add(lead, scored, {n: v[:, scored - first, lead] for n, v in spread_out.items()}, observed,
+                             weights)
             if "climatology" in kinds:
                 sums.add("climatology", lead, clim, observed, clim, weights)
             if "persistence" in kinds:
@@ -267,26 +306,43 @@ def evaluate(ds, truth: Fields, climatology: Optional[Climatology], baselines: S
     if climatology is not None and climatology.substituted:
         notes["climatology_substituted"] = (f"{climatology.substituted} {climatology.keys} keys the climatology "
                                             "lacks, served by its nearest time of year")
-    return (*to_datasets(sums, ds, leads, monthly), notes)
+    if ensemble is not None:
+        notes["ensemble"] = (f"{members} members (realization); the deterministic metrics are the ensemble mean's; "
+                             "crps, spreads and ranks by utils/predict/ensemble_scores.py (WeatherBench 2)")
+    return (*to_datasets(sums, ds, leads, monthly, ensemble), notes)
 
 
-def to_datasets(sums: Sums, ds, leads: np.ndarray, monthly: bool) -> tuple:
-    """The scores and the spectra as Datasets (module docstring)."""
+def to_datasets(sums: Sums, ds, leads: np.ndarray, monthly: bool, ensemble: Optional[EnsembleSums] = None) -> tuple:
+    """The scores, the spectra and (for an ensemble, else None) the rank histograms as Datasets (module
+    docstring)."""
     xr = xarray()
     grid = sums.grid
     lead_attrs = {"long_name": "lead time of the forecast", **({"units": MONTHS} if monthly else {})}
-    coords = {"metric": ("metric", list(METRICS)), "lead_time": ("lead_time", leads, lead_attrs)}
+    metrics = (*METRICS, *ENSEMBLE_METRICS) if ensemble is not None else METRICS
+    coords = {"metric": ("metric", list(metrics)), "lead_time": ("lead_time", leads, lead_attrs)}
     if len(grid.levels):
         coords["level"] = ("level", grid.levels, dict(ds["level"].attrs))
-    scores, spectra = {}, {}
+    scores, spectra, histograms = {}, {}, {}
     for name, leveled in grid.variables.items():
         level = ("level",) if leveled else ()
         units = ds[name].attrs.get("units")
-        table = np.stack([np.stack([over_time(sums.stats[k][name], sums.count[k].reshape(-1, *[1] * leveled))[m]
-                                    for m in METRICS]) for k in sums.kinds])
+        tables = []
+        for k in sums.kinds:
+            count = sums.count[k].reshape(-1, *[1] * leveled)
+            values = over_time(sums.stats[k][name], count)
+            if ensemble is not None:
+                values.update(ensemble.metrics(name, count) if k == "model" else as_one_member(values))
+            tables.append(np.stack([values[m] for m in metrics]))
+        table = np.stack(tables)
         scores[name] = (("forecast", "metric", "lead_time", *level), table.astype(np.float64),
                         {"long_name": ds[name].attrs.get("long_name", name),
-                         **({"units": f"{units} (rmse, bias, mae); 1 (acc)"} if units else {})})
+                         **({"units": f"{units} (rmse, bias, mae{', crps, spreads' if ensemble else ''}); 1 (acc"
+                                      f"{', spread_skill_ratio' if ensemble else ''})"} if units else {})})
+        if ensemble is not None:
+            histograms[name] = (("lead_time", *level, "rank"),
+                                ensemble.histogram(name, sums.count["model"].reshape(-1, *[1] * (1 + leveled))),
+                                {"long_name": f"rank histogram of the truth among the members: {name}",
+                                 "units": "1"})
         counts = [*[sums.count[k] for k in sums.kinds], sums.count["model"]]
         energy = np.stack([sums.spectra[k][name]["energy"] / np.reshape(c, (-1, *[1] * (1 + leveled)))
                            for k, c in zip([*sums.kinds, "truth"], counts)])
@@ -302,4 +358,9 @@ def to_datasets(sums: Sums, ds, leads: np.ndarray, monthly: bool) -> tuple:
                                                                                  "level" in coords else {}),
                                              "zonal_wavenumber": ("zonal_wavenumber", np.arange(wavenumbers),
                                                                   {"long_name": "cycles per latitude circle"})})
-    return scores_ds, spectra_ds
+    ranks_ds = None
+    if ensemble is not None:
+        ranks_ds = xr.Dataset(histograms, coords={"lead_time": coords["lead_time"], **(
+            {"level": coords["level"]} if "level" in coords else {}), "rank": ("rank", np.arange(ensemble.members + 1), {
+                "long_name": "members below the truth (ties broken at random)"})})
+    return scores_ds, spectra_ds, ranks_ds

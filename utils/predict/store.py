@@ -5,9 +5,9 @@ Layout (WeatherBench 2's for forecasts): one data variable per physical variable
 where the channel maps to one (``t2m`` -> ``2m_temperature``; ``z500`` -> ``geopotential`` at ``level`` 500,
 with the levels of every such variable on one ``level`` axis, NaN where a variable lacks a level), else the
 channel's name (spaces as underscores, the name itself in ``long_name``); CF ``units`` per variable. Dimensions:
-``time`` (a forecast's initial time) or ``box``, then ``prediction_timedelta`` for forecasts, ``level`` where
+``realization`` first for an ensemble (predict.py --members), ``time`` (a forecast's initial time) or ``box``, then ``prediction_timedelta`` for forecasts, ``level`` where
 needed, and the grid (``latitude``, ``longitude`` with CF attributes; ``z``, ``y``, ``x`` for boxes). Chunks:
-one item (time or box) each, so that a region of items is whole chunks.
+a batch of items (times or boxes; of one member), so that a region of items is whole chunks.
 
 Writing: rank 0 creates the store under a temporary name beside the output (``.<name>.partial``): its metadata
 and coordinates, every data chunk unwritten (zarr stores no chunk that holds only the fill value: what xarray's
@@ -94,10 +94,12 @@ class Layout:
 
     def __init__(self, channels: Sequence[str], units: Sequence[Optional[str]], item_dim: str,
                  grid: dict[str, tuple[np.ndarray, dict]], leads: Optional[np.ndarray] = None,
-                 lead_text: Optional[str] = None):
+                 lead_text: Optional[str] = None, members: Optional[int] = None):
         """``leads``: timedelta64 for steps of hours, counts of months for monthly data (``lead_text``: one
-        forecast step in the data's unit, "6 h", "1 month")."""
+        forecast step in the data's unit, "6 h", "1 month"); ``members``: an ensemble's, on a first dimension
+        ``realization`` (WeatherBench 2's name for it)."""
         self.channels, self.item_dim, self.grid, self.leads = list(channels), item_dim, grid, leads
+        self.members = members
         self.lead_text = lead_text
         self.variables: dict[str, list[tuple[int, Optional[float]]]] = {}
         self.units: dict[str, Optional[str]] = {}
@@ -114,11 +116,11 @@ class Layout:
 
     def dims(self, name: str) -> tuple[str, ...]:
         leveled = self.variables[name][0][1] is not None
-        return (self.item_dim, *(("prediction_timedelta",) if self.leads is not None else ()),
+        return (*(("realization",) if self.members else ()), self.item_dim, *(("prediction_timedelta",) if self.leads is not None else ()),
                 *(("level",) if leveled else ()), *self.grid)
 
     def _shape(self, name: str, items: int) -> tuple[int, ...]:
-        sizes = {self.item_dim: items, "prediction_timedelta": len(self.leads) if self.leads is not None else 0,
+        sizes = {"realization": self.members or 0, self.item_dim: items, "prediction_timedelta": len(self.leads) if self.leads is not None else 0,
                  "level": len(self.levels), **{k: len(v[0]) for k, v in self.grid.items()}}
         return tuple(sizes[d] for d in self.dims(name))
 
@@ -128,6 +130,8 @@ class Layout:
         and a chunk's fixed cost is paid once a batch)."""
         xr = xarray()
         names = {self.item_dim: (coords, item_attrs), **self.grid}
+        if self.members:
+            names["realization"] = (np.arange(self.members), {"long_name": "ensemble member", "units": "1"})
         monthly = self.leads is not None and not np.issubdtype(self.leads.dtype, np.timedelta64)
         if self.leads is not None:
             names["prediction_timedelta"] = (self.leads, {"long_name": "lead time of the forecast", **(
@@ -145,7 +149,9 @@ class Layout:
                 var_attrs["units"] = self.units[name]
             shape = self._shape(name, len(coords))
             variables[name] = xr.Variable(self.dims(name), np.broadcast_to(np.float32(np.nan), shape), var_attrs)
-            encoding[name] = {"chunks": (chunk, *shape[1:]), "dtype": "float32", "_FillValue": np.float32(np.nan)}
+            # An ensemble's chunk is one member's batch: its rank alone writes it, as a batch of items.
+            chunks = (1, chunk, *shape[2:]) if self.members else (chunk, *shape[1:])
+            encoding[name] = {"chunks": chunks, "dtype": "float32", "_FillValue": np.float32(np.nan)}
         ds = xr.Dataset(variables, coords={k: xr.Variable((k,), v, a) for k, (v, a) in names.items()}, attrs=attrs)
         if np.issubdtype(np.asarray(coords).dtype, np.datetime64):
             encoding[self.item_dim] = {"units": "hours since 1970-01-01", "calendar": "proleptic_gregorian",
@@ -257,14 +263,16 @@ class Store:
             temporary.write_text(json.dumps(self.request, indent=1, sort_keys=True))
         return None
 
-    def write(self, variables: dict[str, np.ndarray], first: int, unit: int) -> None:
-        """Items ``first`` on of each variable (a region of whole chunks), then unit ``unit`` recorded as done.
+    def write(self, variables: dict[str, np.ndarray], first: int, unit: int, member: Optional[int] = None) -> None:
+        """Items ``first`` on of each variable (of ensemble member ``member``: a region of whole chunks), then unit
+        ``unit`` recorded as done.
         Straight into the arrays xarray created, as xarray's ``to_zarr(region=...)`` would, without its checks of
         the whole store at every call (tens of milliseconds each)."""
         if self._group is None:
             self._group = zarr_module().open_group(str(self.partial), mode="r+", zarr_format=2)
         for name, data in variables.items():
-            self._group[name][first:first + len(data)] = data
+            at = (slice(first, first + len(data)),) if member is None else (member, slice(first, first + len(data)))
+            self._group[name][at] = data
         (self.progress / f"unit_{unit:06d}").touch()
 
     def finish(self, units: int) -> Path:
