@@ -64,6 +64,8 @@ case "$SITE" in
     # environment does not bring it. NREL's tutorial had to limit GPUDirect RDMA to the NICs (LOC) for NCCL to run.
     NCCL_PLUGIN_DIR=${NCCL_PLUGIN_DIR-}
     export NCCL_NET_GDR_LEVEL=${NCCL_NET_GDR_LEVEL:-LOC}
+    # HDF5 file locking fails on Lustre mounted without flock (Kestrel's /scratch, as Perlmutter's).
+    export HDF5_USE_FILE_LOCKING=${HDF5_USE_FILE_LOCKING:-FALSE}
     ;;
   perlmutter)
     # NERSC's conda module. Slingshot needs NCCL's aws-ofi-nccl plugin (NCCL_PLUGIN_DIR), which NERSC's
