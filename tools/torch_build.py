@@ -233,7 +233,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     what.add_argument("--index-url", action="store_true",
                       help="print the index URL alone (empty: PyPI); the one line goes to stderr")
     what.add_argument("--install", action="store_true",
-                      help="install the chosen build of the pinned torch and torchvision into the python that runs this")
+                      help="install the chosen build of the pinned torch and torchvision into this python")
     parser.add_argument("--dry-run", action="store_true", help="with --install: print the pip commands, run none")
     args = parser.parse_args(argv)
     if args.dry_run and not args.install:

@@ -115,7 +115,8 @@ def load_cluster(name: str, path: Optional[Path] = None) -> Cluster:
                        float(entry["memory_gb"]) * 1e9, peaks, float(entry["nvlink_gbps"]) * 1e9,
                        float(entry["network_gbps"]) * 1e9, float(entry["latency_us"]) * 1e-6,
                        dict(entry["efficiency"]), _shown(Path(path) if path else CLUSTER_FILE),
-                       str(entry.get("submit", Cluster.submit)), str(entry.get("sbatch_options", "")))
+                       str(entry.get("submit", Cluster.submit)),
+                       str(entry.get("sbatch_options", Cluster.sbatch_options)))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"cluster {name!r}: a field is not a number ({e}): see the fields in {_shown(CLUSTER_FILE)}") \
             from None
