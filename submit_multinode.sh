@@ -9,6 +9,7 @@
 # Options on the sbatch command line win over the #SBATCH lines below (--nodes, --time, ...). The
 # account, partition and constraint are best given through sbatch's own variables, e.g. in ~/.bashrc:
 #   Kestrel:    export SBATCH_ACCOUNT=<project>     (jobs are routed to the GPU partition by the request)
+#               and sbatch --mem 300G ...: a Kestrel job gets 1 GB per core unless it asks (--exclusive adds none)
 #   Perlmutter: export SBATCH_ACCOUNT=<project> SBATCH_CONSTRAINT=gpu SBATCH_QOS=regular
 # Nodes without GPUs (e.g. the local test cluster: add --gpus-per-node=0) run CPU processes with gloo.
 #
