@@ -195,3 +195,15 @@ def test_a_driver_below_525_stops_the_page_at_the_torch_build(standin_tar, tmp_p
     assert proc.returncode == 1 and proc.stdout == "", proc.stdout + proc.stderr
     assert proc.stderr == BUILD_LINES["470.256.02"].replace("470.256.02", "520.61.05") + "\n"
     assert not (tmp_path / "scratch").exists()  # nothing after it ran
+
+
+def test_check_data_given_the_unpacked_tar_names_the_folders_holding_train(standin_tar, tmp_path):
+    with tarfile.open(standin_tar) as tar:
+        tar.extractall(tmp_path, filter="data")
+    proc = subprocess.run([sys.executable, str(REPO / "datasets" / "check_data.py"), "--config", "baseline",
+                           "--data_dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    era5, decoy = tmp_path / "superbench_v1" / "era5", tmp_path / "superbench_v1" / "nskt16000_1024"
+    assert (proc.returncode, proc.stdout) == (2, ""), proc.stderr
+    assert proc.stderr == (f"check_data.py: error: {tmp_path} has no train/ folder; these below it have one: {era5}, "
+                           f"{decoy}: pass the one of your data as --data_dir, or link it where the config looks "
+                           "(ln -sfn FOLDER datasets/era5)\n")
