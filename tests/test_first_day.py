@@ -187,7 +187,8 @@ def test_the_page_followed_in_order_gives_a_working_job(slurm_cluster, standin_t
         else:
             nodes = int(shlex.split(line)[shlex.split(line).index("--nodes") + 1])
             assert f"world_size={2 * nodes} nodes={nodes} backend=gloo" in job.output, job.report
-            assert job.output.rstrip().endswith(f"done: 4 steps; outputs in {run_dir}"), job.report
+            # (torchrun's agents may warn after it, shutting down the rendezvous: Part I, Step 4)
+            assert f"\ndone: 4 steps; outputs in {run_dir}\n" in job.output, job.report
 
 
 def test_a_driver_below_525_stops_the_page_at_the_torch_build(standin_tar, tmp_path):
