@@ -29,9 +29,12 @@ TORCH_INDEX ?=
 # Not given, the install takes the build this node's NVIDIA driver runs: tools/torch_build.py prints its one line
 # (stderr) and the index (stdout; empty: PyPI). Expanded with the install's recipe, so `make -n install` shows the
 # choice and other targets never run nvidia-smi; the $(eval) keeps the first answer (one run, one line).
+# A driver too old for any CUDA build of the pin: the script says so in one line and fails; STOP then ends the
+# install before anything is made (no stamp).
 TORCH_BUILD_INDEX = $(eval TORCH_BUILD_INDEX := $(or $(TORCH_INDEX),$(shell $(PYTHON) tools/torch_build.py \
-	--index-url)))$(TORCH_BUILD_INDEX)
+	--index-url || echo STOP)))$(TORCH_BUILD_INDEX)
 TORCH_PIN = $$(sed -n 's/^torch==//p' $(LOCK_FILE))
+TORCHVISION_PIN = $$(sed -n 's/^torchvision==//p' $(LOCK_FILE))
 # pip's own error says why; this line says what to do (set apart: its commas would split the $(if ...) below).
 TORCH_INDEX_FAILED = echo "error: pip could not install torch==$(TORCH_PIN) from $(TORCH_BUILD_INDEX) (its reason \
 	above): load the site's PyTorch module (docs/setup.md), or choose the index: make install TORCH_INDEX=URL \
@@ -44,10 +47,12 @@ install: $(VENV)/.installed
 
 # Depends on the lock too, so that a refreshed lock reinstalls (pip moves every package to its pin).
 $(VENV)/.installed: requirements.txt $(LOCK)
+	$(if $(filter STOP,$(TORCH_BUILD_INDEX)),@exit 1)
 	@echo "Installing the tested versions into $(VENV): about 5.7 GB, most of it the CUDA libraries that PyTorch's" \
 	  "Linux wheel brings also to a machine without a GPU (a CPU-only install: README.md, Quickstart)."
 	$(PYTHON) -m venv $(VENV)
-	$(if $(TORCH_BUILD_INDEX),$(PY) -m pip install "torch==$(TORCH_PIN)" --index-url $(TORCH_BUILD_INDEX) \
+	$(if $(TORCH_BUILD_INDEX),$(PY) -m pip install "torch==$(TORCH_PIN)" "torchvision==$(TORCHVISION_PIN)" \
+		--index-url $(TORCH_BUILD_INDEX) \
 		|| { $(TORCH_INDEX_FAILED); })
 	$(PY) -m pip install -r requirements.txt $(if $(LOCK),-c $(LOCK))
 	touch $@

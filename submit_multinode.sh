@@ -9,6 +9,7 @@
 # Options on the sbatch command line win over the #SBATCH lines below (--nodes, --time, ...). The
 # account, partition and constraint are best given through sbatch's own variables, e.g. in ~/.bashrc:
 #   Kestrel:    export SBATCH_ACCOUNT=<project>     (jobs are routed to the GPU partition by the request)
+#               and sbatch --mem 300G ...: a Kestrel job gets 1 GB per core unless it asks (--exclusive adds none)
 #   Perlmutter: export SBATCH_ACCOUNT=<project> SBATCH_CONSTRAINT=gpu SBATCH_QOS=regular
 # Nodes without GPUs (e.g. the local test cluster: add --gpus-per-node=0) run CPU processes with gloo.
 #
@@ -64,6 +65,8 @@ case "$SITE" in
     # environment does not bring it. NREL's tutorial had to limit GPUDirect RDMA to the NICs (LOC) for NCCL to run.
     NCCL_PLUGIN_DIR=${NCCL_PLUGIN_DIR-}
     export NCCL_NET_GDR_LEVEL=${NCCL_NET_GDR_LEVEL:-LOC}
+    # HDF5 file locking fails on Lustre mounted without flock (Kestrel's /scratch, as Perlmutter's).
+    export HDF5_USE_FILE_LOCKING=${HDF5_USE_FILE_LOCKING:-FALSE}
     ;;
   perlmutter)
     # NERSC's conda module. Slingshot needs NCCL's aws-ofi-nccl plugin (NCCL_PLUGIN_DIR), which NERSC's

@@ -3,11 +3,12 @@ open it (every check of a real run), then every file is listed with its datasets
 
     python datasets/check_data.py --config vit_base --data_dir $SCRATCH/sc23_data         # Part II: NERSC's ERA5
     python datasets/check_data.py --config unet3d_base --data_dir $SCRATCH/sc22_data      # Part III: SC22's boxes
-    python datasets/check_data.py --config baseline --data_dir $SCRATCH/superbench/era5   # Part I: SuperBench's
+    python datasets/check_data.py --config baseline                     # Part I: SuperBench's, linked to datasets/era5
 
 Any config key can be given as in the training scripts (--train_split, --valid_split, ...). Exit status 0:
 the folder holds what the config reads; 2: one line that says what is wrong (a missing split, file, dataset
-or statistics file, the wrong channel count or grid, a truncated file).
+or statistics file, the wrong channel count or grid, a truncated file). A data_dir without the training split but
+with folders below it that hold one (an unpacked tar: $SCRATCH/superbench) names those folders.
 """
 
 from __future__ import annotations
@@ -35,6 +36,15 @@ def data_files(cfg) -> list[Path]:
     return files + (sorted((root / "stats").glob("*.npy")) if d.task == "forecast" else [])
 
 
+def folders_holding(root: Path, split: str, depth: int = 3) -> list[Path]:
+    """Folders at most ``depth`` levels below ``root`` that hold a ``split`` folder of .h5 files."""
+    found, level = [], [root]
+    for _ in range(depth):
+        level = [child for folder in level for child in sorted(folder.iterdir()) if child.is_dir()]
+        found += [folder for folder in level if any((folder / split).glob("*.h5"))]
+    return found
+
+
 def describe(path: Path) -> str:
     if path.suffix == ".npy":
         array = np.load(path, mmap_mode="r")
@@ -46,6 +56,14 @@ def describe(path: Path) -> str:
 
 def main() -> int:
     cfg = parse_config(__doc__)
+    root, split = Path(cfg.data.data_dir), cfg.data.train_split
+    if cfg.data.task != "volume" and root.is_dir() and not (root / split).exists():
+        below = folders_holding(root, split)
+        if below:
+            print(f"check_data.py: error: {root} has no {split}/ folder; these below it have one: "
+                  f"{', '.join(map(str, below))}: pass the one of your data as --data_dir, or link it where the "
+                  f"config looks (ln -sfn FOLDER datasets/era5)", file=sys.stderr)
+            return 2
     try:
         train, valid = build_loaders(cfg)
         files = data_files(cfg)

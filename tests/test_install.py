@@ -208,9 +208,9 @@ BUILD_LINES = {
     "550.54.15": f"torch build: CUDA 12.6 from {CU126}: the driver is 550.54.15 (< 580, which CUDA 13 needs)",
     "580.82.07": "torch build: CUDA 13.2 from PyPI (the default wheel): the driver is 580.82.07 (>= 580, which CUDA 13 "
                  "needs)",
-    "470.256.02": "torch build: PyPI's default wheel, which will not see the GPU: the driver is 470.256.02 (< 525, "
-                  "which CUDA 12 needs: no CUDA build of torch 2.15.0 runs on it); use the site's PyTorch module "
-                  "(docs/setup.md), or the CPU build: make install TORCH_INDEX=https://download.pytorch.org/whl/cpu",
+    "470.256.02": "error: the NVIDIA driver is 470.256.02 (< 525, which CUDA 12 needs): no CUDA build of torch 2.15.0 "
+                  "runs on it, nothing installed; use the site's PyTorch module (docs/setup.md), or the CPU build: "
+                  "make install TORCH_INDEX=https://download.pytorch.org/whl/cpu",
 }
 
 
@@ -220,20 +220,29 @@ def torch_build_script(*args: str, path: str) -> subprocess.CompletedProcess:
                           text=True, timeout=60, env=env)
 
 
+NO_DRIVER = ("warning: torch build: PyPI's default wheel (CUDA 13.2, driver >= 580), unchecked: {}; for GPU jobs run "
+             "this on a GPU node, whose driver decides the build")
+
+
 @pytest.mark.parametrize("output, code, line, index", [
     ("550.54.15\n550.54.15\n", 0, BUILD_LINES["550.54.15"], CU126),  # two GPUs: one line each
     ("580.82.07\n", 0, BUILD_LINES["580.82.07"], ""),
-    ("470.256.02\n", 0, BUILD_LINES["470.256.02"], ""),
-    ("", 0, "torch build: PyPI's default wheel: nvidia-smi lists no GPU (the wheel runs on the CPU)", ""),
-    ("", 1, "torch build: PyPI's default wheel: nvidia-smi failed (exit 1) (the wheel runs on the CPU)", ""),
-    (None, 0, "torch build: PyPI's default wheel: no nvidia-smi here (the wheel runs on the CPU)", ""),
-], ids=["550", "580", "470", "no GPU", "smi fails", "no smi"])
+    ("", 0, NO_DRIVER.format("nvidia-smi lists no GPU"), ""),
+    ("", 1, NO_DRIVER.format("nvidia-smi failed (exit 1)"), ""),
+    (None, 0, NO_DRIVER.format("no nvidia-smi here"), ""),
+], ids=["550", "580", "no GPU", "smi fails", "no smi"])
 def test_the_torch_build_follows_the_driver(output, code, line, index, tmp_path):
     path = nvidia_smi(tmp_path / "smi", output, code) if output is not None else str(tmp_path)
     said = torch_build_script(path=path)
     assert (said.returncode, said.stdout, said.stderr) == (0, line + "\n", "")
     url = torch_build_script("--index-url", path=path)  # the Makefile's: the URL alone, the line beside it
     assert (url.returncode, url.stdout, url.stderr) == (0, index + "\n", line + "\n")
+
+
+@pytest.mark.parametrize("args", [(), ("--index-url",), ("--install", "--dry-run")])
+def test_a_driver_too_old_for_every_build_stops_every_mode_in_one_line(args, tmp_path):
+    said = torch_build_script(*args, path=nvidia_smi(tmp_path / "smi", "470.256.02\n"))
+    assert (said.returncode, said.stdout, said.stderr) == (1, "", BUILD_LINES["470.256.02"] + "\n")
 
 
 def test_the_script_reads_the_locks_torch_pin():
@@ -257,6 +266,14 @@ def test_make_install_takes_the_index_the_driver_needs(tmp_path):
                         path=nvidia_smi(tmp_path / "550", "550.54.15\n"))
         assert mine.returncode == 0 and f"--index-url {cpu} " in mine.stdout and CU126 not in mine.stdout, mine.stdout
         assert "torch build:" not in mine.stderr
+
+
+def test_make_install_stops_on_a_driver_too_old_for_every_build_before_making_anything(tmp_path):
+    venv = tmp_path / "venv"  # a real `make install`: it must end before the venv, pip (no network) and the stamp
+    proc = run_make("-B", "install", f"VENV={venv}", path=nvidia_smi(tmp_path / "520", "520.61.05\n"))
+    assert proc.returncode != 0 and not venv.exists(), proc.stdout + proc.stderr
+    ours = [line for line in proc.stderr.splitlines() if not line.startswith("make")]
+    assert ours == [BUILD_LINES["470.256.02"].replace("470.256.02", "520.61.05")], proc.stderr
 
 
 def test_a_torch_pip_cannot_find_ends_the_install_with_what_to_do_and_no_stamp(tmp_path):
@@ -288,20 +305,41 @@ def test_install_puts_the_chosen_build_in_place_or_says_why_not(capsys):
     def choice(version: str):
         return torch_build.choose(torch_build.Driver(version))
 
-    ran = []
-    assert torch_build.install(choice("550.54.15"), "2.15.0", run=lambda argv: ran.append(argv) or 0) == 0
-    assert ran == [[sys.executable, "-m", "pip", "install", "torch==2.15.0+cu126", "--index-url", CU126]]
-    # PyPI's wheel where it fits: nothing to do; another index's build there: PyPI's again, at the lock's versions.
-    assert torch_build.install(choice("580.82.07"), "2.15.0", run=lambda argv: ran.append(argv) or 0) == 0
-    assert len(ran) == 1 and capsys.readouterr().out.splitlines()[-1] == \
-        "torch 2.15.0 is PyPI's wheel, which fits: nothing to do"
-    torch_build.install(choice("580.82.07"), "2.15.0+cpu", run=lambda argv: ran.append(argv) or 0)
-    assert ran[-1][3:] == ["install", "--force-reinstall", "torch==2.15.0", "-c", str(LOCK)]
+    def pypi(torch="2.15.0", vision="0.29.2"):
+        return {"torch": torch, "torchvision": vision}
+
+    ran, cu13 = [], ["cuda-toolkit", "nvidia-cublas"]
+    assert torch_build.install(choice("550.54.15"), pypi(), cu13, run=lambda argv: ran.append(argv) or 0) == 0
+    pip = [sys.executable, "-m", "pip"]
+    # PyPI's torch and torchvision out, with the CUDA 13 libraries they brought; both back from the CUDA 12.6 index.
+    assert ran == [pip + ["uninstall", "-y", "torch", "torchvision", *cu13],
+                   pip + ["install", "torch==2.15.0+cu126", "torchvision==0.29.2+cu126", "--index-url", CU126]]
+    # Both already from that index: nothing to do; a torchvision from PyPI beside them is replaced.
+    assert torch_build.install(choice("550.54.15"), pypi("2.15.0+cu126", "0.29.2+cu126"), run=ran.append) == 0
+    assert len(ran) == 2
+    torch_build.install(choice("550.54.15"), pypi("2.15.0+cu126"), run=lambda argv: ran.append(argv) or 0)
+    assert ran[-1][-3:-1] == ["torchvision==0.29.2+cu126", "--index-url"]
+    # PyPI's wheels where they fit: nothing to do; another index's build there: PyPI's again, at the lock's versions.
+    ran.clear()
+    assert torch_build.install(choice("580.82.07"), pypi(), run=ran.append) == 0
+    assert not ran and capsys.readouterr().out.splitlines()[-1].endswith(": the build that fits: nothing to do")
+    torch_build.install(choice("580.82.07"), pypi("2.15.0+cpu"), run=lambda argv: ran.append(argv) or 0)
+    assert ran[-1][3:] == ["install", "--force-reinstall", "torch==2.15.0", "torchvision==0.29.2", "-c", str(LOCK)]
     # A driver too old for any CUDA build: nothing installed, exit 1; pip failing: its exit code and what to do.
-    assert torch_build.install(choice("470.256.02"), "2.15.0", run=lambda argv: ran.append(argv) or 0) == 1
-    assert len(ran) == 2 and "nothing installed" in capsys.readouterr().err
-    assert torch_build.install(choice("550.54.15"), "2.15.0", run=lambda argv: 1) == 1
+    assert torch_build.install(choice("470.256.02"), pypi(), run=ran.append) == 1
+    assert len(ran) == 1 and "nothing installed" in capsys.readouterr().err
+    assert torch_build.install(choice("550.54.15"), pypi(), run=lambda argv: 1) == 1
     assert capsys.readouterr().err.startswith(f"error: pip could not install torch 2.15.0 from {CU126}")
+
+
+def test_the_cuda_libraries_are_followed_through_the_packages_that_require_them():
+    requires = {"torch": ["filelock", "cuda-toolkit[cublas]==13.2.2; platform_system == \"Linux\"",
+                          "nvidia-nccl-cu13==2.30.7", "triton~=3.9.0"],
+                "cuda-toolkit": ["nvidia-cublas==13.4.1.3; extra == \"cublas\"", "nvidia-gone"],
+                "nvidia-cublas": [], "nvidia-nccl-cu13": None}
+    versions = {"cuda-toolkit": "13.2.2", "nvidia-cublas": "13.4.1.3", "nvidia-nccl-cu13": "2.30.7"}
+    assert torch_build.cuda_libraries("torch", versions.get, requires.get) == \
+        ["cuda-toolkit", "nvidia-cublas", "nvidia-nccl-cu13"]  # not triton, not what is not installed
 
 
 def test_the_message_for_a_gpu_torch_cannot_see_names_driver_cuda_and_fix():

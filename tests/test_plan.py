@@ -81,6 +81,10 @@ def test_shipped_clusters_load_with_datasheet_peaks():
     assert h100.peak_flops["bf16"] == pytest.approx(989.4e12) and h100.inter_bw == 50e9
     assert load_cluster("generic-8gpu").gpus_per_node == 8
     assert "SITE=kestrel" in h100.submit
+    # Kestrel gives a job 1 GB per core unless it asks: every job there starts with --mem (clusters.yaml's
+    # sbatch_options), the other sites' with nothing more.
+    assert h100.submit_line(2) == "SITE=kestrel sbatch --nodes 2 --mem 300G"
+    assert a100.submit_line(2) == "SITE=perlmutter sbatch --nodes 2"
 
 
 def test_a_users_cluster_file_adds_entries(tmp_path):

@@ -3,11 +3,18 @@
     python3 tools/torch_build.py                # one line: the build, and why
     python3 tools/torch_build.py --index-url    # the index URL alone (empty: PyPI), for the Makefile's install
     python3 tools/torch_build.py --install      # in an existing environment (conda): the pinned torch of that build
+    python3 tools/torch_build.py --install --dry-run   # the pip commands --install would run, not run
 
 It reads the driver version from `nvidia-smi` and looks it up in BUILDS. `make install` runs it when TORCH_INDEX is
 not given (a TORCH_INDEX you set wins); `--install` fixes an environment that exists (conda-env.yml's, or one whose
 torch does not see the GPU), with the python that runs it. Standard library only, and it never imports torch: it
 decides before torch is there, and must not depend on the torch it may replace.
+
+A driver older than every CUDA build of the pin (< 525) stops every mode: one `error:` line, exit 1 (`make install`
+then stops before its stamp). No GPU here (no nvidia-smi, or it lists none): PyPI's wheel, with one `warning:` line,
+since a login node without a GPU cannot say which build the GPU nodes need. The CUDA 12 build replaces torch and
+torchvision together (torchvision refuses a torch of another CUDA major) and first removes the CUDA 13 libraries
+that PyPI's torch pulled in (its nvidia-* and cuda-* requirements, followed through cuda-toolkit's).
 """
 
 from __future__ import annotations
@@ -93,7 +100,9 @@ def branch(version: str) -> int:
 
 def choose(driver: Driver) -> Choice:
     if driver.version is None:
-        return Choice(None, f"torch build: PyPI's default wheel: {driver.why_none} (the wheel runs on the CPU)")
+        return Choice(None, f"warning: torch build: PyPI's default wheel (CUDA {BUILDS[0].cuda}, driver >= "
+                            f"{BUILDS[0].min_driver}), unchecked: {driver.why_none}; for GPU jobs run this on a GPU "
+                            f"node, whose driver decides the build")
     newest = BUILDS[0]
     for build in BUILDS:
         if branch(driver.version) >= build.min_driver:
@@ -102,20 +111,24 @@ def choose(driver: Driver) -> Choice:
                    f"< {newest.min_driver}, which CUDA {major(newest.cuda)} needs")
             return Choice(build, f"torch build: CUDA {build.cuda} from {where}: the driver is {driver.version} ({why})")
     oldest = BUILDS[-1]
-    return Choice(None, f"torch build: PyPI's default wheel, which will not see the GPU: the driver is {driver.version} "
-                        f"(< {oldest.min_driver}, which CUDA {major(oldest.cuda)} needs: no CUDA build of torch "
-                        f"{torch_pin()} runs on it); {MODULE_HINT}", too_old=True)
+    return Choice(None, f"error: the NVIDIA driver is {driver.version} (< {oldest.min_driver}, which CUDA "
+                        f"{major(oldest.cuda)} needs): no CUDA build of torch {pin('torch')} runs on it, nothing "
+                        f"installed; {MODULE_HINT}", too_old=True)
 
 
 def major(cuda: Optional[str]) -> Optional[str]:
     return cuda.split(".")[0] if cuda else None
 
 
-def torch_pin(lock: Path = LOCK) -> str:
-    pins = re.findall(r"^torch==(\S+)\s*$", lock.read_text(), re.MULTILINE)
+def pin(name: str, lock: Path = LOCK) -> str:
+    pins = re.findall(rf"^{re.escape(name)}==(\S+)\s*$", lock.read_text(), re.MULTILINE)
     if len(pins) != 1:
-        raise SystemExit(f"error: {lock.name} should pin torch once (torch==VERSION), found {len(pins)} pins")
+        raise SystemExit(f"error: {lock.name} should pin {name} once ({name}==VERSION), found {len(pins)} pins")
     return pins[0]
+
+
+def torch_pin(lock: Path = LOCK) -> str:
+    return pin("torch", lock)
 
 
 def unseen_gpu(driver: Driver, cuda_available: bool, torch_version: str, torch_cuda: Optional[str],
@@ -136,45 +149,82 @@ def unseen_gpu(driver: Driver, cuda_available: bool, torch_version: str, torch_c
     return f"{said}; CUDA {choice.build.cuda} suits it: {FIX} (or make install in a fresh clone)"
 
 
-def install_command(choice: Choice, installed: Optional[str], python: str = sys.executable) -> Optional[list[str]]:
-    """The pip command that puts the chosen build of the pinned torch in place, or None when it is there."""
-    pin = torch_pin()
-    if choice.index != PYPI:
-        # With the local label (+cu126): PyPI's 2.15.0 already satisfies torch==2.15.0, and pip would keep it.
-        label = choice.index.rstrip("/").rsplit("/", 1)[-1]
-        return [python, "-m", "pip", "install", f"torch=={pin}+{label}", "--index-url", choice.index]
-    if installed is None:
-        return [python, "-m", "pip", "install", f"torch=={pin}", "-c", str(LOCK)]
-    if "+" in installed:
-        # Another index's build (+cpu, +cu126) where PyPI's fits: PyPI's wheel again, with the lock's dependencies.
-        return [python, "-m", "pip", "install", "--force-reinstall", f"torch=={pin}", "-c", str(LOCK)]
-    return None
+PAIR = ("torch", "torchvision")  # installed together from one index: torchvision checks that its CUDA is torch's
+CUDA_PREFIXES = ("nvidia-", "cuda-")  # the CUDA libraries a torch wheel pulls in (PyPI's: cuda-toolkit, nvidia-*)
 
 
-def installed_torch() -> Optional[str]:
+def installed(name: str) -> Optional[str]:
     try:
-        return importlib.metadata.version("torch")
+        return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return None
 
 
-def install(choice: Choice, installed: Optional[str], run: Callable[[Sequence[str]], int] = subprocess.call) -> int:
+def installed_torch() -> Optional[str]:
+    return installed("torch")
+
+
+def cuda_libraries(root: str = "torch", version_of: Callable[[str], Optional[str]] = installed,
+                   requires_of: Callable[[str], Optional[list]] = importlib.metadata.requires) -> list[str]:
+    """The installed nvidia-* / cuda-* distributions ``root`` requires, directly or through one another (PyPI's torch:
+    cuda-toolkit, which requires nvidia-cublas, ...): what a torch of another CUDA leaves behind."""
+    found, todo = set(), [root]
+    while todo:
+        try:
+            requires = requires_of(todo.pop()) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for line in requires:
+            name = re.split(r"[\s\[;<>=!~(]", line.strip(), maxsplit=1)[0].lower().replace("_", "-")
+            if name.startswith(CUDA_PREFIXES) and name not in found and version_of(name) is not None:
+                found.add(name)
+                todo.append(name)
+    return sorted(found)
+
+
+def install_commands(choice: Choice, versions: dict, cuda_libs: Sequence[str] = (),
+                     python: str = sys.executable) -> list[list[str]]:
+    """The pip commands that put the chosen build of the pinned torch and torchvision in place (none when they are
+    there). ``versions``: the installed versions of PAIR (None: not installed); ``cuda_libs``: cuda_libraries()."""
+    pins = [f"{name}=={pin(name)}" for name in PAIR]
+    pip = [python, "-m", "pip"]
+    if choice.index != PYPI:
+        # With the local label (+cu126): PyPI's 2.15.0 already satisfies torch==2.15.0, and pip would keep it.
+        label = choice.index.rstrip("/").rsplit("/", 1)[-1]
+        if all((versions.get(name) or "").endswith(f"+{label}") for name in PAIR):
+            return []
+        present = [name for name in PAIR if versions.get(name)]
+        remove = [pip + ["uninstall", "-y", *present, *cuda_libs]] if present else []
+        return remove + [pip + ["install", *(f"{p}+{label}" for p in pins), "--index-url", choice.index]]
+    if versions.get("torch") is None:
+        return [pip + ["install", *pins, "-c", str(LOCK)]]
+    if any("+" in (versions.get(name) or "") for name in PAIR):
+        # Another index's build (+cpu, +cu126) where PyPI's fits: PyPI's wheels again, with the lock's dependencies.
+        return [pip + ["install", "--force-reinstall", *pins, "-c", str(LOCK)]]
+    return []
+
+
+def install(choice: Choice, versions: dict, cuda_libs: Sequence[str] = (),
+            run: Callable[[Sequence[str]], int] = subprocess.call, dry_run: bool = False) -> int:
     """``--install``: the chosen build into this python's environment; exit 1 where none can serve the GPU."""
-    print(choice.line, flush=True)
     if choice.too_old:
-        print("error: nothing installed: no CUDA build of the pinned torch runs on this driver", file=sys.stderr)
+        print(choice.line, file=sys.stderr)
         return 1
-    command = install_command(choice, installed)
-    if command is None:
-        print(f"torch {installed} is PyPI's wheel, which fits: nothing to do")
+    print(choice.line, flush=True)
+    commands = install_commands(choice, versions, cuda_libs)
+    if not commands:
+        shown = ", ".join(f"{name} {versions.get(name)}" for name in PAIR)
+        print(f"{shown}: the build that fits: nothing to do")
         return 0
-    print("$ " + " ".join(command), flush=True)
-    code = run(command)
-    if code:
-        where = choice.index or "PyPI"
-        print(f"error: pip could not install torch {torch_pin()} from {where} (its reason above); {MODULE_HINT}",
-              file=sys.stderr)
-    return code
+    for command in commands:
+        print(("would run: " if dry_run else "$ ") + " ".join(command), flush=True)
+        code = 0 if dry_run else run(command)
+        if code:
+            where = choice.index or "PyPI"
+            print(f"error: pip could not install torch {torch_pin()} from {where} (its reason above); {MODULE_HINT}",
+                  file=sys.stderr)
+            return code
+    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -183,11 +233,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     what.add_argument("--index-url", action="store_true",
                       help="print the index URL alone (empty: PyPI); the one line goes to stderr")
     what.add_argument("--install", action="store_true",
-                      help="install the chosen build of the pinned torch into the python that runs this")
+                      help="install the chosen build of the pinned torch and torchvision into this python")
+    parser.add_argument("--dry-run", action="store_true", help="with --install: print the pip commands, run none")
     args = parser.parse_args(argv)
+    if args.dry_run and not args.install:
+        parser.error("--dry-run goes with --install")
     choice = choose(query_driver())
+    if choice.too_old:  # every mode: one line, exit 1 (make install stops before its stamp)
+        print(choice.line, file=sys.stderr)
+        return 1
     if args.install:
-        return install(choice, installed_torch())
+        return install(choice, {name: installed(name) for name in PAIR}, cuda_libraries(), dry_run=args.dry_run)
     if args.index_url:
         print(choice.line, file=sys.stderr)  # the Makefile shows the why; stdout is what it uses
         print(choice.index)

@@ -49,6 +49,11 @@ class Cluster:
     efficiency: dict  # model -> precision -> fraction of the peak
     source: str = "config/clusters/clusters.yaml"
     submit: str = "sbatch --nodes {nodes}"  # how a job starts there (then submit_multinode.sh SCRIPT ...)
+    sbatch_options: str = ""  # further sbatch options every job there needs (--mem ...), after submit
+
+    def submit_line(self, nodes: int) -> str:
+        """The command that starts a job of ``nodes`` nodes there, up to the job script."""
+        return " ".join(part for part in (self.submit.format(nodes=nodes), self.sbatch_options) if part)
 
     def efficiency_of(self, model: str, precision: str) -> float:
         """The entry's fraction for ``model``; a model it does not name (yours) takes its ``default``, a guess
@@ -110,7 +115,8 @@ def load_cluster(name: str, path: Optional[Path] = None) -> Cluster:
                        float(entry["memory_gb"]) * 1e9, peaks, float(entry["nvlink_gbps"]) * 1e9,
                        float(entry["network_gbps"]) * 1e9, float(entry["latency_us"]) * 1e-6,
                        dict(entry["efficiency"]), _shown(Path(path) if path else CLUSTER_FILE),
-                       str(entry.get("submit", Cluster.submit)))
+                       str(entry.get("submit", Cluster.submit)),
+                       str(entry.get("sbatch_options", Cluster.sbatch_options)))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"cluster {name!r}: a field is not a number ({e}): see the fields in {_shown(CLUSTER_FILE)}") \
             from None

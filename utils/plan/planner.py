@@ -124,7 +124,7 @@ def command(cfg: Config, layout: Layout, cluster: Cluster, nodes: int, user_args
     if cluster.device == "cpu":
         launch = "python" if layout.world == 1 else f"torchrun --standalone --nproc-per-node {layout.world}"
     else:
-        launch = f"{cluster.submit.format(nodes=nodes)} submit_multinode.sh"
+        launch = f"{cluster.submit_line(nodes)} submit_multinode.sh"
     args = ["--config", cfg.name, *user_args]
     for key, value in keys.items():
         if f"--{key}" in args:  # the layout's value instead of the user's
