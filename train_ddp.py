@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from models import build_model, on_meta
+from utils.checkpoint.contents import checkpoint_payload, restore_payload
 from utils.checkpoint.files import barrier, load_newest, prepare_run_dir
 from utils.checkpoint.single import load_checkpoint, save_checkpoint
 from utils.checkpoint.state import TrainState
@@ -33,8 +34,8 @@ from utils.parallel.techniques import apply_ac, apply_compile, apply_ddp
 from utils.precision import autocast, make_grad_scaler
 from utils.stopping import StopRequest
 from utils.tasks import build_task
-from utils.training import (build_loss, build_optimizer, check_finite, checkpoint_payload, configure_backends,
-                            restore_payload, run_cli, seed_everything, seed_step, show_progress, total_steps)
+from utils.training import (build_loss, build_optimizer, check_finite, configure_backends, run_cli, seed_everything,
+                            seed_step, show_progress, total_steps)
 
 
 def main():

@@ -20,9 +20,9 @@ import torch
 from tqdm import tqdm
 
 from models import build_model, on_meta
+from utils.checkpoint.contents import sharded_payload
 from utils.checkpoint.files import load_newest, prepare_run_dir
-from utils.checkpoint.sharded import (finish_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint,
-                                      sharded_payload)
+from utils.checkpoint.sharded import finish_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
 from utils.checkpoint.state import TrainState
 from utils.config import parse_config
 from utils.data import build_loaders

@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from models import build_model, on_meta
+from utils.checkpoint.contents import sharded_payload
 from utils.checkpoint.files import load_newest, prepare_run_dir
 from utils.checkpoint.sharded import finish_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
 from utils.checkpoint.state import TrainState
@@ -111,7 +112,8 @@ def main():
 
     def save():
         save_sharded_checkpoint(ckpt_dir, state.step,  # every rank writes its shards
-                                pipeline.payload(optimizer, scheduler, scaler, state, cfg),
+                                sharded_payload(pipeline.local_model(), optimizer, scheduler, scaler, state, cfg,
+                                                names=pipeline.param_names, group=pipeline.group),
                                 keep=tcfg.keep_checkpoints, asynchronous=tcfg.ckpt_async)
 
     # ------------------------------------------------------------------------------------- Train loop

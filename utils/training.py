@@ -1,5 +1,6 @@
 """Objects every training script builds the same way: device, optimizer and schedule, mixed
-precision, loss, checkpoint contents, and the command-line error handling (evaluation: utils/tasks.py).
+precision, loss, and the command-line error handling (evaluation: utils/tasks.py; checkpoint contents:
+utils/checkpoint/contents.py).
 
 The training step itself is written out in each script; only the objects it uses come from here.
 """
@@ -15,7 +16,6 @@ import random
 import signal
 import sys
 import time
-from dataclasses import asdict
 from typing import Callable, Optional
 
 import numpy as np
@@ -26,8 +26,6 @@ from torch import nn
 from models import ModelError
 
 from utils.checkpoint.files import CheckpointError, StorageError
-from utils.checkpoint.state import (TrainState, capture_rng_state, check_model_settings, restore_rng_state,
-                                    strip_wrapper_prefixes)
 from utils.config import Config, ConfigError, lr_scale
 from utils.data.common import STEP_STREAM, DataError, stable_hash
 from utils.parallel.distributed import DistEnv, device_for, joined_job, read_dist_env
@@ -161,33 +159,6 @@ def total_steps(cfg: Config, steps_per_epoch: int) -> int:
             "lower --batch_size or use more data"
         )
     return cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * steps_per_epoch
-
-
-def checkpoint_payload(model, optimizer, scheduler, scaler, state: TrainState, cfg: Config) -> dict:
-    """Everything a resumed run needs; the model under its plain (unwrapped) parameter names."""
-    return {
-        "model": strip_wrapper_prefixes(model.state_dict()),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "scaler": scaler.state_dict(),
-        "train_state": asdict(state),
-        "rng": capture_rng_state(),
-        "config": cfg.to_dict(),
-    }
-
-
-def restore_payload(payload: dict, model, optimizer, scheduler, scaler, cfg: Optional[Config] = None,
-                    path="the checkpoint") -> TrainState:
-    """Load a single-file checkpoint's contents into the run's objects; with ``cfg``, first check that it
-    builds the same model (one line naming the keys that differ, instead of load_state_dict's size mismatch)."""
-    if cfg is not None:
-        check_model_settings(payload.get("config", {}), cfg, path)
-    model.load_state_dict(payload["model"])
-    optimizer.load_state_dict(payload["optimizer"])
-    scheduler.load_state_dict(payload["scheduler"])
-    scaler.load_state_dict(payload["scaler"])
-    restore_rng_state(payload["rng"])
-    return TrainState(**payload["train_state"])
 
 
 # ----------------------------------------------------------------------------- loop helpers
