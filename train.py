@@ -14,26 +14,22 @@ Launch (one process; CUDA if available, else CPU):
 Any config key can be overridden on the command line; `python train.py --help` lists them all.
 """
 
-import time
-
-import torch
 from tqdm import tqdm
 
 from models import build_model, on_meta
+from utils.checkpoint.contents import checkpoint_payload, restore_payload
 from utils.checkpoint.files import load_newest, prepare_run_dir
 from utils.checkpoint.single import load_checkpoint, save_checkpoint
 from utils.checkpoint.state import TrainState
 from utils.config import parse_config
 from utils.data import build_loaders
-from utils.observe.flops import device_peak_flops, mfu, peak_memory_gb, reset_peak_memory, train_flops_per_sample
+from utils.observe.flops import train_flops_per_sample
 from utils.observe.logger import MetricsLogger
 from utils.parallel.techniques import apply_ac, apply_compile
 from utils.precision import autocast, make_grad_scaler
-from utils.stopping import StopRequest
 from utils.tasks import build_task
-from utils.training import (build_loss, build_optimizer, check_finite, checkpoint_payload, configure_backends,
-                            pick_device, restore_payload, run_cli, seed_everything, seed_step, show_progress,
-                            total_steps)
+from utils.training import (Bookkeeping, build_loss, build_optimizer, configure_backends, pick_device, run_cli,
+                            seed_everything, seed_step, total_steps)
 
 
 def main():
@@ -58,7 +54,6 @@ def main():
     model = apply_compile(model, tcfg.compile, tcfg.compile_backend, tcfg.cuda_graphs)
     input_shape = tuple(val_loader.dataset[0][0].shape)
     flops_per_sample = train_flops_per_sample(lambda: probe, input_shape)
-    peak_flops = device_peak_flops(device, tcfg.amp_dtype)
 
     # -------------------------------------------------------------------------------------- Optimizer
     optimizer, scheduler = build_optimizer(model, cfg, steps_per_epoch, device)
@@ -90,16 +85,13 @@ def main():
 
     # ------------------------------------------------------------------------------------- Train loop
     model.train()
-    progress = tqdm(total=max_steps, initial=state.step, disable=not show_progress(tcfg.progress), unit="step")
-    loss_sum, loss_count = torch.zeros((), device=device), 0
-    window_start, window_samples = time.perf_counter(), 0
-    reset_peak_memory(device)
-    stopping = StopRequest(cfg)  # SIGTERM or SIGUSR1 on any rank: checkpoint the step, then end the run
-    while state.step < max_steps and not stopping.signal:
+    book = Bookkeeping(cfg, state, steps_per_epoch, max_steps, logger, scheduler, validate, save, flops_per_sample,
+                       device)  # after each step: log, validate, checkpoint, stop
+    while book.next_epoch():  # rolls a finished epoch over; False after the last step or on a stop
         # Same seed + epoch -> same order and crops: a resumed run sees exactly the same batches.
         train_loader.sampler.set_epoch(state.epoch, start_batch=state.batch_in_epoch)
         train_loader.dataset.set_epoch(state.epoch)
-        for inputs, target in train_loader:
+        for inputs, target in book.batches(train_loader):
             inputs, target = inputs.to(device, non_blocking=True), target.to(device, non_blocking=True)
 
             seed_step(tcfg.seed, state.step)  # stochastic-depth draws: a function of (seed, step)
@@ -112,42 +104,12 @@ def main():
             scaler.update()
             scheduler.step()
 
-            state.step += 1
-            state.batch_in_epoch += 1
-            loss_sum += loss.detach()
-            loss_count += 1
-            window_samples += inputs.shape[0]
-            progress.update(1)
-
-            end_of_epoch = state.batch_in_epoch == steps_per_epoch
-            done = state.step == max_steps
-            if state.step % tcfg.log_every == 0 or done:
-                mean_loss = check_finite(loss_sum / loss_count, state.step, ckpt_dir)  # one host sync per log
-                samples_per_sec = window_samples / (time.perf_counter() - window_start)
-                logger.log({"kind": "train", "step": state.step, "epoch": state.epoch, "loss": mean_loss,
-                            "lr": scheduler.get_last_lr()[0], "samples_per_sec": samples_per_sec,
-                            "mfu": mfu(flops_per_sample, samples_per_sec, peak_flops),
-                            "peak_mem_gb": peak_memory_gb(device)})
-                progress.set_postfix(loss=f"{mean_loss:.4f}")
-                loss_sum.zero_()
-                loss_count, window_start, window_samples = 0, time.perf_counter(), 0
-            if (tcfg.val_every and state.step % tcfg.val_every == 0) or (not tcfg.val_every and end_of_epoch) or done:
-                validate()
-            stop, due = stopping.agreed()  # collective: all ranks stop, or checkpoint by the clock, at one step
-            if (tcfg.ckpt_every and state.step % tcfg.ckpt_every == 0) or end_of_epoch or done or stop or due:
-                check_finite(loss_sum, state.step, ckpt_dir)  # never save weights from a diverged step
-                save()
-            if end_of_epoch or done or stop:
-                break
-        if state.batch_in_epoch == steps_per_epoch:
-            state.epoch += 1
-            state.batch_in_epoch = 0
+            book.after_step(loss, inputs.shape[0])  # log, validate, checkpoint, stop; the epoch's loop may end here
 
     # --------------------------------------------------------------------------------------- Teardown
-    progress.close()
-    logger.close()
-    print(stopping.summary(state.step, tcfg.run_dir))
-    return stopping.exit_code
+    book.close()  # the progress bar and the log
+    print(book.summary())
+    return book.exit_code
 
 
 if __name__ == "__main__":

@@ -22,33 +22,30 @@ Launch (torchrun starts one process per GPU and sets RANK, LOCAL_RANK, WORLD_SIZ
 Any config key can be overridden on the command line; `python train_mp.py --help` lists them all.
 """
 
-import time
-
 import torch
 from tqdm import tqdm
 
 from models import build_model, on_meta
+from utils.checkpoint.contents import sharded_payload
 from utils.checkpoint.files import load_newest, prepare_run_dir
-from utils.checkpoint.sharded import (finish_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint,
-                                      sharded_payload)
+from utils.checkpoint.sharded import finish_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
 from utils.checkpoint.state import TrainState
 from utils.config import parse_config
 from utils.data import build_loaders
 from utils.memory.measure import SavedTensorBytes
-from utils.observe.flops import device_peak_flops, mfu, peak_memory_gb, reset_peak_memory, train_flops_per_sample
+from utils.observe.flops import train_flops_per_sample
 from utils.observe.logger import MetricsLogger
 from utils.parallel.context_parallel import apply_cp
-from utils.parallel.distributed import (all_reduce_max, all_reduce_mean, build_mp_mesh, cleanup_distributed,
+from utils.parallel.distributed import (build_mp_mesh, cleanup_distributed,
                                         init_distributed)
 from utils.parallel.domain_parallel import band_loss, field_bands
 from utils.parallel.fsdp import apply_fsdp, memory_record
 from utils.parallel.techniques import apply_ac, apply_compile
 from utils.parallel.tensor_parallel import apply_tp
 from utils.precision import autocast, make_grad_scaler
-from utils.stopping import StopRequest
 from utils.tasks import build_task
-from utils.training import (build_loss, build_optimizer, check_finite, configure_backends, run_cli, seed_everything,
-                            seed_step, show_progress, total_steps)
+from utils.training import (Bookkeeping, build_loss, build_optimizer, configure_backends, run_cli, seed_everything,
+                            seed_step, total_steps)
 
 
 def main():
@@ -85,7 +82,6 @@ def main():
     flops_per_sample = train_flops_per_sample(lambda: probe, input_shape)
     if bands:  # the sample's FLOPs are its bands'
         flops_per_sample = bands.sum(flops_per_sample, device)
-    peak_flops = env.world_size * device_peak_flops(device, tcfg.amp_dtype)  # MFU of all devices together
 
     # -------------------------------------------------------------------------------------- Optimizer
     optimizer, scheduler = build_optimizer(model, cfg, steps_per_epoch, device)  # on the local shards
@@ -106,7 +102,6 @@ def main():
     log0(f"model: {sum(p.numel() for p in raw_model.parameters()):,} parameters | device: {device} | "
           f"{steps_per_epoch} steps/epoch, {max_steps} steps | {flops_per_sample / 1e9:.1f} GFLOP/sample/step")
     activations = SavedTensorBytes(exclude=[*model.parameters(), *model.buffers()])  # counted in the first step
-    first_step = state.step
 
     # ------------------------------------------------------------------------------------- Validation
     def validate():
@@ -122,22 +117,18 @@ def main():
 
     # ------------------------------------------------------------------------------------- Train loop
     model.train()
-    progress = tqdm(total=max_steps, initial=state.step, unit="step",
-                    disable=not (env.is_main and show_progress(tcfg.progress)))
-    loss_sum, loss_count = torch.zeros((), device=device), 0
-    window_start, window_samples = time.perf_counter(), 0
-    reset_peak_memory(device)
-    stopping = StopRequest(cfg)  # SIGTERM or SIGUSR1 on any rank: checkpoint the step, then end the run
-    while state.step < max_steps and not stopping.signal:
+    book = Bookkeeping(cfg, state, steps_per_epoch, max_steps, logger, scheduler, validate, save, flops_per_sample,
+                       device, replicas=dp_size)  # after each step: log, validate, checkpoint, stop
+    while book.next_epoch():  # rolls a finished epoch over; False after the last step or on a stop
         # Same seed + epoch -> same order and crops: a resumed run sees exactly the same batches.
         train_loader.sampler.set_epoch(state.epoch, start_batch=state.batch_in_epoch)
         train_loader.dataset.set_epoch(state.epoch)
-        for inputs, target in train_loader:
+        for inputs, target in book.batches(train_loader):
             inputs, target = inputs.to(device, non_blocking=True), target.to(device, non_blocking=True)
 
             seed_step(tcfg.seed, state.step, dp_rank)  # the ranks of one replica draw the same drop-path masks
             optimizer.zero_grad(set_to_none=True)
-            with autocast(device, tcfg.amp_dtype), activations.counting(state.step == first_step):
+            with autocast(device, tcfg.amp_dtype), activations.counting(book.first_step):
                 pred = model(inputs)
             loss = loss_fn(pred.float(), target)  # the loss in fp32 and in physical units
             scaler.scale(loss).backward()
@@ -145,46 +136,16 @@ def main():
             scaler.update()
             scheduler.step()
 
-            if state.step == first_step:  # per rank: params + grads + AdamW state + activations
+            if book.first_step:  # per rank: params + grads + AdamW state + activations
                 logger.log(memory_record(model, optimizer, state.step + 1, activations.bytes))
-            state.step += 1
-            state.batch_in_epoch += 1
-            loss_sum += loss.detach()
-            loss_count += 1
-            window_samples += inputs.shape[0]
-            progress.update(1)
-
-            end_of_epoch = state.batch_in_epoch == steps_per_epoch
-            done = state.step == max_steps
-            if state.step % tcfg.log_every == 0 or done:
-                mean_loss = check_finite(all_reduce_mean(loss_sum / loss_count), state.step, ckpt_dir)
-                samples_per_sec = dp_size * window_samples / (time.perf_counter() - window_start)
-                logger.log({"kind": "train", "step": state.step, "epoch": state.epoch, "loss": mean_loss,
-                            "lr": scheduler.get_last_lr()[0], "samples_per_sec": samples_per_sec,
-                            "mfu": mfu(flops_per_sample, samples_per_sec, peak_flops),
-                            "peak_mem_gb": all_reduce_max(peak_memory_gb(device), device)})
-                progress.set_postfix(loss=f"{mean_loss:.4f}")
-                loss_sum.zero_()
-                loss_count, window_start, window_samples = 0, time.perf_counter(), 0
-            if (tcfg.val_every and state.step % tcfg.val_every == 0) or (not tcfg.val_every and end_of_epoch) or done:
-                validate()
-            stop, due = stopping.agreed()  # collective: all ranks stop, or checkpoint by the clock, at one step
-            if (tcfg.ckpt_every and state.step % tcfg.ckpt_every == 0) or end_of_epoch or done or stop or due:
-                check_finite(all_reduce_mean(loss_sum), state.step, ckpt_dir)  # never save a diverged step
-                save()
-            if end_of_epoch or done or stop:
-                break
-        if state.batch_in_epoch == steps_per_epoch:
-            state.epoch += 1
-            state.batch_in_epoch = 0
+            book.after_step(loss, inputs.shape[0])  # log, validate, checkpoint, stop; the epoch's loop may end here
 
     # --------------------------------------------------------------------------------------- Teardown
-    progress.close()
-    logger.close()
+    book.close()  # the progress bar and the log
     finish_sharded_checkpoint()  # an asynchronous save in flight is on disk before the run says it ended
-    log0(stopping.summary(state.step, tcfg.run_dir))
+    log0(book.summary())
     cleanup_distributed()
-    return stopping.exit_code
+    return book.exit_code
 
 
 if __name__ == "__main__":

@@ -36,12 +36,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from models import build_model  # noqa: E402
-from utils.checkpoint.sharded import finish_sharded_checkpoint, save_sharded_checkpoint, sharded_payload  # noqa: E402
+from utils.checkpoint.contents import checkpoint_payload, sharded_payload  # noqa: E402
+from utils.checkpoint.sharded import finish_sharded_checkpoint, save_sharded_checkpoint  # noqa: E402
 from utils.checkpoint.single import save_checkpoint  # noqa: E402
 from utils.checkpoint.state import TrainState  # noqa: E402
 from utils.config import build_config  # noqa: E402
 from utils.precision import make_grad_scaler  # noqa: E402
-from utils.training import checkpoint_payload, exit_process  # noqa: E402
+from utils.training import exit_process  # noqa: E402
 
 SIZES = ("full_size", "vit_mp")
 SINGLE, ASYNC, DD = "single (train.py)", "dcp async: step waits", "dd conv=fsync (same)"

@@ -187,7 +187,8 @@ def as_dcp_checkpoint(checkpoint: Path, ckpt_dir: Path) -> Path:
     import torch.distributed as dist
 
     from models import build_model
-    from utils.checkpoint.sharded import save_sharded_checkpoint, sharded_payload
+    from utils.checkpoint.contents import sharded_payload
+    from utils.checkpoint.sharded import save_sharded_checkpoint
     from utils.checkpoint.state import TrainState
     from utils.config import build_config
     from utils.parallel.fsdp import apply_fsdp

@@ -1,9 +1,9 @@
 """The house's walls (docs/architecture.md): what `make test` and these tests hold the code to.
 
 - The import contracts of .importlinter (models/ import nothing from utils/, utils/ no model's folder; utils/ in
-  layers; no circle among the modules of a package; nothing imports tests/) hold, and a new import that breaks one
-  fails `lint-imports` with a line that names it. The top-level scripts, modules import-linter cannot take as
-  roots, import neither tests/ nor benchmarks/.
+  layers; the techniques (utils/parallel/) nothing of utils/checkpoint/; no circle among the modules of a package;
+  nothing imports tests/) hold, and a new import that breaks one fails `lint-imports` with a line that names it.
+  The top-level scripts, modules import-linter cannot take as roots, import neither tests/ nor benchmarks/.
 - Imports stand at module top: an import inside a function is allowed only for an optional or heavy
   dependency, with a comment that says why.
 - No file in utils/ is longer than a reader takes in at one sitting.
@@ -50,7 +50,7 @@ def with_import(tmp_path: Path, module: str, imported: str) -> Path:
 def test_the_import_contracts_hold_and_a_broken_one_names_the_import(tmp_path):
     kept = lint_imports(REPO)
     assert kept.returncode == 0, kept.stdout + kept.stderr
-    assert "6 kept, 0 broken" in kept.stdout
+    assert "7 kept, 0 broken" in kept.stdout
     upward = lint_imports(with_import(tmp_path, "utils/config.py", "utils.training"))  # the ground floor reaching up
     assert upward.returncode != 0
     assert "utils.config -> utils.training" in upward.stdout  # (and, as training imports config, a circle)
@@ -63,6 +63,9 @@ def test_the_import_contracts_hold_and_a_broken_one_names_the_import(tmp_path):
     assert suite.returncode != 0 and "examples.fno.fno -> tests.conftest" in suite.stdout
     model = lint_imports(with_import(tmp_path, "utils/memory/estimate.py", "models.vit.memory"))  # a helper on a model
     assert model.returncode != 0 and "utils.memory.estimate -> models.vit.memory" in model.stdout
+    contents = lint_imports(with_import(tmp_path, "utils/parallel/pipeline_parallel.py", "utils.checkpoint.contents"))
+    assert contents.returncode != 0  # a technique building checkpoint contents
+    assert "utils.parallel.pipeline_parallel -> utils.checkpoint.contents" in contents.stdout
 
 
 def test_each_built_in_model_is_a_folder_with_its_spec_behind_the_wall():

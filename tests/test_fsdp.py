@@ -58,8 +58,9 @@ def test_two_ranks_equal_one_process(runs, tiny_data):
 
 def test_export_loads_into_the_plain_model_and_train_py_state(runs, tiny_data):
     from models import build_model
+    from utils.checkpoint.contents import restore_payload
     from utils.precision import make_grad_scaler
-    from utils.training import build_optimizer, restore_payload
+    from utils.training import build_optimizer
 
     payload = exported(runs["fsdp"], 10)
     reference = torch.load(runs["single"] / "checkpoints" / "step_00000010.pt", weights_only=True)

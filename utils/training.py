@@ -1,7 +1,9 @@
 """Objects every training script builds the same way: device, optimizer and schedule, mixed
-precision, loss, checkpoint contents, and the command-line error handling (evaluation: utils/tasks.py).
+precision, loss, and the command-line error handling (evaluation: utils/tasks.py; checkpoint contents:
+utils/checkpoint/contents.py).
 
-The training step itself is written out in each script; only the objects it uses come from here.
+The training step itself is written out in each script; only the objects it uses come from here, and what
+follows it (:class:`Bookkeeping`: log, validate, checkpoint, stop, the epoch's end).
 """
 
 from __future__ import annotations
@@ -15,23 +17,25 @@ import random
 import signal
 import sys
 import time
-from dataclasses import asdict
 from typing import Callable, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from tqdm import tqdm
 
 from models import ModelError
 
 from utils.checkpoint.files import CheckpointError, StorageError
-from utils.checkpoint.state import (TrainState, capture_rng_state, check_model_settings, restore_rng_state,
-                                    strip_wrapper_prefixes)
 from utils.config import Config, ConfigError, lr_scale
 from utils.data.common import STEP_STREAM, DataError, stable_hash
-from utils.parallel.distributed import DistEnv, device_for, joined_job, read_dist_env
-from utils.stopping import describe_timeout, stop_watching
+from utils.observe.flops import device_peak_flops, mfu, peak_memory_gb, reset_peak_memory
+from utils.observe.logger import MetricsLogger
+from utils.parallel.distributed import (DistEnv, all_reduce_max, all_reduce_mean, device_for, joined_job,
+                                        read_dist_env)
+from utils.stopping import StopRequest, describe_timeout, stop_watching
 
 
 class NonFiniteLossError(RuntimeError):
@@ -163,33 +167,6 @@ def total_steps(cfg: Config, steps_per_epoch: int) -> int:
     return cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * steps_per_epoch
 
 
-def checkpoint_payload(model, optimizer, scheduler, scaler, state: TrainState, cfg: Config) -> dict:
-    """Everything a resumed run needs; the model under its plain (unwrapped) parameter names."""
-    return {
-        "model": strip_wrapper_prefixes(model.state_dict()),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "scaler": scaler.state_dict(),
-        "train_state": asdict(state),
-        "rng": capture_rng_state(),
-        "config": cfg.to_dict(),
-    }
-
-
-def restore_payload(payload: dict, model, optimizer, scheduler, scaler, cfg: Optional[Config] = None,
-                    path="the checkpoint") -> TrainState:
-    """Load a single-file checkpoint's contents into the run's objects; with ``cfg``, first check that it
-    builds the same model (one line naming the keys that differ, instead of load_state_dict's size mismatch)."""
-    if cfg is not None:
-        check_model_settings(payload.get("config", {}), cfg, path)
-    model.load_state_dict(payload["model"])
-    optimizer.load_state_dict(payload["optimizer"])
-    scheduler.load_state_dict(payload["scheduler"])
-    scaler.load_state_dict(payload["scaler"])
-    restore_rng_state(payload["rng"])
-    return TrainState(**payload["train_state"])
-
-
 # ----------------------------------------------------------------------------- loop helpers
 
 
@@ -205,6 +182,120 @@ def check_finite(loss_total: torch.Tensor, step: int, ckpt_dir) -> float:
 
 def show_progress(mode: str) -> bool:
     return mode == "always" or (mode == "auto" and sys.stdout.isatty())
+
+
+class Bookkeeping:
+    """What every training script does after its step, the same in each: count the loss and the samples, log
+    every ``log_every`` steps (loss, lr, samples/s, MFU, peak memory), validate, checkpoint (every ``ckpt_every``
+    steps, at the end of an epoch and of the run, on a stop, by the clock), agree with every rank on a stop, and
+    roll the epoch over. The script keeps its step, and says how it validates and saves (``validate()``,
+    ``save()``: they differ by technique), so that its diff from its predecessor shows only its technique::
+
+        while book.next_epoch():
+            for inputs, target in book.batches(train_loader):
+                ...  # the step: forward, backward, optimizer
+                book.after_step(loss, len(inputs))
+
+    ``replicas``: data-parallel model replicas, each taking ``samples`` per step (1; DDP and FSDP: the world
+    size; train_mp.py and train_pp.py: the dp size). Losses are averaged and peak memory is the largest over the
+    ranks (no-ops on one process); MFU is that of all the job's devices together. Build it on every rank just
+    before the loop: it builds the StopRequest.
+    """
+
+    def __init__(self, cfg: Config, state, steps_per_epoch: int, max_steps: int, logger: MetricsLogger, scheduler,
+                 validate: Callable[[], None], save: Callable[[], None], flops_per_sample: float,
+                 device: torch.device, replicas: int = 1):
+        self.cfg, self.state, self.steps_per_epoch, self.max_steps = cfg.train, state, steps_per_epoch, max_steps
+        self.logger, self.scheduler, self.validate, self.save = logger, scheduler, validate, save
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.flops_per_sample = flops_per_sample
+        self.peak_flops = world * device_peak_flops(device, cfg.train.amp_dtype)  # MFU of all devices together
+        self.device, self.replicas = device, replicas
+        self.ckpt_dir, self.start_step = f"{cfg.train.run_dir}/checkpoints", state.step
+        is_main = not dist.is_initialized() or dist.get_rank() == 0
+        self.progress = tqdm(total=max_steps, initial=state.step, unit="step",
+                             disable=not (is_main and show_progress(cfg.train.progress)))
+        self.loss_sum, self.loss_count = torch.zeros((), device=device), 0  # summed on the device: no sync per step
+        self.window_start, self.window_samples = time.perf_counter(), 0
+        reset_peak_memory(device)
+        self.stopping = StopRequest(cfg)  # SIGTERM or SIGUSR1 on any rank: checkpoint the step, then end the run
+        self._loop_ends = False
+
+    @property
+    def first_step(self) -> bool:
+        """Whether the step being taken is this run's first (a resumed run's: its first after the checkpoint)."""
+        return self.state.step == self.start_step
+
+    def next_epoch(self) -> bool:
+        """Roll a finished epoch over; whether to train on (steps left, and no stop agreed)."""
+        state = self.state
+        if state.batch_in_epoch == self.steps_per_epoch:
+            state.epoch += 1
+            state.batch_in_epoch = 0
+        return state.step < self.max_steps and not self.stopping.signal
+
+    def batches(self, loader):
+        """The epoch's batches, up to the step after which :meth:`after_step` ends the epoch's loop (the end of the
+        epoch or of the run, or a stop); no batch is drawn beyond it."""
+        self._loop_ends = False
+        for batch in loader:
+            yield batch
+            if self._loop_ends:
+                return
+
+    def after_step(self, loss: torch.Tensor, samples: int) -> None:
+        """Count the step just taken, then log, validate, checkpoint and stop as due; end the epoch's loop
+        (:meth:`batches`) at the end of the epoch or of the run, or on a stop."""
+        state, t = self.state, self.cfg
+        state.step += 1
+        state.batch_in_epoch += 1
+        self.loss_sum += loss.detach()
+        self.loss_count += 1
+        self.window_samples += samples
+        self.progress.update(1)
+
+        end_of_epoch = state.batch_in_epoch == self.steps_per_epoch
+        done = state.step == self.max_steps
+        if state.step % t.log_every == 0 or done:
+            self._log()
+        if (t.val_every and state.step % t.val_every == 0) or (not t.val_every and end_of_epoch) or done:
+            self.validate()
+        stop, due = self.stopping.agreed()  # collective: all ranks stop, or checkpoint by the clock, at one step
+        if (t.ckpt_every and state.step % t.ckpt_every == 0) or end_of_epoch or done or stop or due:
+            check_finite(all_reduce_mean(self.loss_sum), state.step, self.ckpt_dir)  # never save a diverged step
+            self.save()
+        if done or stop:
+            self.progress.close()  # before the scripts' last lines
+        self._loop_ends = end_of_epoch or done or stop
+
+    def _log(self) -> None:
+        """The train record of the steps since the last one; one host sync (the loss) per record."""
+        state = self.state
+        mean_loss = check_finite(all_reduce_mean(self.loss_sum / self.loss_count), state.step, self.ckpt_dir)
+        samples_per_sec = self.replicas * self.window_samples / (time.perf_counter() - self.window_start)
+        self.logger.log({"kind": "train", "step": state.step, "epoch": state.epoch, "loss": mean_loss,
+                         "lr": self.scheduler.get_last_lr()[0], "samples_per_sec": samples_per_sec,
+                         "mfu": mfu(self.flops_per_sample, samples_per_sec, self.peak_flops),
+                         "peak_mem_gb": all_reduce_max(peak_memory_gb(self.device), self.device)})
+        self.progress.set_postfix(loss=f"{mean_loss:.4f}")
+        self.loss_sum.zero_()
+        self.loss_count, self.window_start, self.window_samples = 0, time.perf_counter(), 0
+
+    def close(self, *records: Optional[dict]) -> None:
+        """Close the progress bar, log the run's last ``records`` (a None is none) and close the log."""
+        self.progress.close()
+        for record in records:
+            if record is not None:
+                self.logger.log(record)
+        self.logger.close()
+
+    def summary(self) -> str:
+        """How the run ended (steps, a stop request, the run folder), for its last line."""
+        return self.stopping.summary(self.state.step, self.cfg.run_dir)
+
+    @property
+    def exit_code(self) -> int:
+        return self.stopping.exit_code
 
 
 # ----------------------------------------------------------------------------- command line

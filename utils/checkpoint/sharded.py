@@ -5,6 +5,7 @@ train_pp.py.
   a run resumes on any number of ranks and under any layout. The folder is written under a hidden name and renamed
   when complete, so ``--resume`` never picks a half-written one; ``asynchronous`` writes it in the background.
 - ``load_sharded_checkpoint``: into an already sharded model and its optimizer (collective).
+- What a folder holds: contents.py (``sharded_payload``), as for every kind of checkpoint.
 - ``python -m utils.checkpoint.sharded export CKPT_DIR OUT.pt`` turns such a folder into one file with the layout of
   train.py's checkpoints (``{"model": state_dict, "optimizer": ...}``), on one process and without a
   process group: ``build_model(cfg).load_state_dict(torch.load(OUT.pt)["model"])`` and
@@ -20,7 +21,6 @@ import shutil
 import sys
 import threading
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
@@ -29,29 +29,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from utils.checkpoint.contents import restore_sharded_payload, sharded_payload
 from utils.checkpoint.files import (DCP_METADATA, TEMP_PREFIX, CheckpointError, DamagedCheckpointError, StorageError,
                                     barrier, checkpoints_by_step, damage_in, ensure_writable_dir, fsync_dir,
                                     note_write_time, replaced_atomically, write_failure)
-from utils.checkpoint.state import TrainState, capture_rng_state, check_model_settings, restore_rng_state
-
-
-def sharded_payload(model, optimizer, scheduler, scaler, state: TrainState, cfg=None) -> dict:
-    """What a resumed run needs, as a DCP state dict (the entries of train.py's checkpoints).
-
-    Model and optimizer come from ``get_state_dict``: sharded tensors under plain parameter names,
-    which is what lets DCP reshard them. The other entries are the same on every rank and DCP
-    writes them once. The CUDA RNG states are a tuple and the config a JSON string because DCP
-    loads such values whole, whatever their length or keys, so a run resumes on another GPU
-    count or with a newer config schema.
-    """
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    rng = capture_rng_state()
-    rng["cuda"] = tuple(rng.get("cuda", ()))
-    return {"model": model_state, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict(), "train_state": asdict(state), "rng": rng,
-            "config": json.dumps(cfg.to_dict() if cfg is not None else {})}
+from utils.checkpoint.state import TrainState, check_model_settings
 
 
 def _is_main() -> bool:
@@ -206,11 +189,7 @@ def load_sharded_checkpoint(path, model, optimizer, scheduler, scaler, cfg=None)
             raise
         raise CheckpointError(f"checkpoint {path} does not fit this model ({_first_line(error)}): "
                               "resume with the config that wrote it, or start without --resume") from None
-    set_state_dict(model, optimizer, model_state_dict=payload["model"], optim_state_dict=payload["optimizer"])
-    scheduler.load_state_dict(payload["scheduler"])
-    scaler.load_state_dict(payload["scaler"])
-    restore_rng_state(payload["rng"])
-    return TrainState(**payload["train_state"])
+    return restore_sharded_payload(payload, model, optimizer, scheduler, scaler)
 
 
 def _first_line(error: BaseException) -> str:

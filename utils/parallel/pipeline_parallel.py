@@ -37,7 +37,6 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                                     ScheduleZBVZeroBubble)
 
-from utils.checkpoint.sharded import sharded_payload
 from utils.config import ConfigError
 from utils.parallel.fsdp import apply_fsdp
 from utils.parallel.plans import StagePlan, missing_plan, model_plan
@@ -292,19 +291,6 @@ class Pipeline:
         for name, children in units.items():
             view._modules[name] = _Units(sorted(children.items(), key=lambda item: int(item[0])))
         return view
-
-    def payload(self, optimizer, scheduler, scaler, state, cfg) -> dict:
-        """``utils.checkpoint.sharded.sharded_payload`` of this rank's parameters, with each optimizer param group
-        listing the whole model's parameter names: DCP writes such a list once (rank 0's), so it must
-        be the same on every rank; loading into any layout picks its own names from it."""
-        payload = sharded_payload(self.local_model(), optimizer, scheduler, scaler, state, cfg)
-        groups = payload["optimizer"]["param_groups"]
-        gathered = [None] * self.pp
-        dist.all_gather_object(gathered, [group["params"] for group in groups], group=self.group)
-        for i, group in enumerate(groups):
-            names = {name for per_rank in gathered for name in per_rank[i]}
-            group["params"] = [name for name in self.param_names if name in names]
-        return payload
 
     # ------------------------------------------------------------------ running
 
