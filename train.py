@@ -26,7 +26,7 @@ from utils.data import build_loaders
 from utils.observe.flops import train_flops_per_sample
 from utils.observe.logger import MetricsLogger
 from utils.parallel.techniques import apply_ac, apply_compile
-from utils.precision import autocast, make_grad_scaler
+from utils.precision import apply_keep_fp32, autocast, make_grad_scaler
 from utils.tasks import build_task
 from utils.training import (Bookkeeping, build_loss, build_optimizer, configure_backends, pick_device, run_cli,
                             seed_everything, seed_step, total_steps)
@@ -50,7 +50,8 @@ def main():
     raw_model = build_model(cfg.model).to(device)
     probe = on_meta(lambda: build_model(cfg.model))  # its shapes, no storage: the contract check and FLOP count
     task.check_model(cfg.model, val_loader.dataset[0], probe)  # the model contract, in one line
-    model = apply_ac(raw_model, tcfg.ac)
+    model = apply_keep_fp32(raw_model, tcfg.keep_fp32, tcfg.fp32_modules)  # the parts kept in fp32
+    model = apply_ac(model, tcfg.ac)
     model = apply_compile(model, tcfg.compile, tcfg.compile_backend, tcfg.cuda_graphs)
     input_shape = tuple(val_loader.dataset[0][0].shape)
     flops_per_sample = train_flops_per_sample(lambda: probe, input_shape)

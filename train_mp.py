@@ -42,7 +42,7 @@ from utils.parallel.domain_parallel import band_loss, field_bands
 from utils.parallel.fsdp import apply_fsdp, memory_record
 from utils.parallel.techniques import apply_ac, apply_compile
 from utils.parallel.tensor_parallel import apply_tp
-from utils.precision import autocast, make_grad_scaler
+from utils.precision import apply_keep_fp32, autocast, make_grad_scaler
 from utils.tasks import build_task
 from utils.training import (Bookkeeping, build_loss, build_optimizer, configure_backends, run_cli, seed_everything,
                             seed_step, total_steps)
@@ -75,6 +75,7 @@ def main():
     task.check_model(cfg.model, val_loader.dataset[0], probe)  # the model contract, in one line
     model = apply_tp(raw_model, mesh["tp"])  # parameters -> DTensors on the tp ranks
     model = apply_cp(model, mesh["cp"])  # hooks: one band of tokens per cp rank
+    model = apply_keep_fp32(model, tcfg.keep_fp32, tcfg.fp32_modules)  # the parts kept in fp32
     model = apply_ac(model, tcfg.ac)
     model = apply_compile(model, tcfg.compile, tcfg.compile_backend, tcfg.cuda_graphs)
     model = apply_fsdp(model, cfg, device, dp_cp_mesh)  # in place: raw_model is model, sharded over dp x cp

@@ -37,7 +37,7 @@ from utils.parallel.distributed import (build_pp_mesh, cleanup_distributed,
 from utils.parallel.fsdp import memory_record
 from utils.parallel.pipeline_parallel import Pipeline, apply_data_parallel, bubble_report
 from utils.parallel.techniques import apply_ac, apply_compile
-from utils.precision import make_grad_scaler
+from utils.precision import apply_keep_fp32, make_grad_scaler
 from utils.tasks import build_task
 from utils.training import (Bookkeeping, build_loss, build_optimizer, configure_backends, run_cli, seed_everything,
                             seed_step, total_steps)
@@ -66,6 +66,7 @@ def main():
     probe = on_meta(lambda: build_model(cfg.model))  # its shapes, no storage: the contract check and FLOP count
     task.check_model(cfg.model, val_loader.dataset[0], probe)  # the model contract, in one line
     loss_fn = build_loss(cfg)
+    apply_keep_fp32(raw_model, tcfg.keep_fp32, tcfg.fp32_modules)  # before the cut: the wrapped parts go to their stages
     # This rank's stages: parts of raw_model. Each pipeline takes batch_size / dp samples per step.
     pipeline = Pipeline(raw_model, cfg, mesh["pp"], device, loss_fn, cfg.train.batch_size // dp_size)
     del raw_model  # the other ranks' parts

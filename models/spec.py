@@ -121,6 +121,11 @@ class ModelSpec:
     """The tasks it trains on (utils/tasks.py)."""
     check: Optional[Callable[[Any], None]] = None
     """check(cfg): a ValueError, one line with the fix, for model keys that cannot work (a utils.config.Config)."""
+    fp32_modules: tuple[str, ...] = ()
+    """The parts that stay in fp32 under autocast with ``keep_fp32`` (utils/precision.py applies it): patterns
+    (fnmatch's, on the names of ``named_modules()``: ``*norm*``, ``head``) of the modules whose rounding in bf16 costs
+    skill: normalisations (statistics over many elements), the output head (the physical field's last digits),
+    spectral layers (FFTs of a model of one's own). A pattern may match nothing in one configuration of the model."""
     fresh_caches: Optional[Callable[[], None]] = None
     """Empties what the model's module caches between calls (a memory measurement starts from nothing)."""
 

@@ -127,6 +127,10 @@ CPU_RUN = {
     # docs/performance.md (the ladder's rungs' own keys may not follow --: no --num_workers here)
     "python benchmarks/ladder.py --config quickstart":
         f"... --steps 2 --breakdown-steps 1 --repeats 1 --rungs baseline -- {TINY} --crop_size 32 --n_patches 2 --val_samples 2",
+    # docs/part1-swinir.md Step 2, docs/performance.md Step 0c: two settings, two seeds (a spread), two steps each
+    "python benchmarks/precision_skill.py":
+        f"... --configs quickstart --settings fp32 bf16+keep_fp32 --seeds 0 1 --steps 2 --times 1 -- {TINY} "
+        "--crop_size 32 --n_patches 2",
     # convergence: one run each (the base batch), 2 validations
     "python benchmarks/convergence.py":
         "... --batches 2 --samples 4 --val_every_samples 2 -- --val_samples 2",
@@ -179,7 +183,7 @@ CPU_RUN = {
         "--batch-size 2",
 }
 CPU_RUN = {shlex.join(shlex.split(key)): value for key, value in CPU_RUN.items()}  # as the pages' commands
-TRAINS = re.compile(r"\btrain\w*\.py\b|\btorchrun\b|bench_ddp_overhead|benchmarks/ladder|convergence\.py")
+TRAINS = re.compile(r"\btrain\w*\.py\b|\btorchrun\b|bench_ddp_overhead|benchmarks/ladder|convergence\.py|precision_skill")
 
 # Output lines are compared by shape: these rules, in order, replace what differs between runs.
 SHAPE_RULES = [

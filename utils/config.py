@@ -174,6 +174,14 @@ class TrainConfig:
     """Units the loss is computed in: physical, or normalised per channel by mean/std (each channel counts alike)."""
     amp_dtype: Literal["none", "bf16", "fp16"] = "none"
     """Autocast dtype for mixed precision (fp16 adds a GradScaler)."""
+    keep_fp32: bool = False
+    """Under autocast (amp_dtype bf16 or fp16), run the model's precision-sensitive parts in fp32: the normalisations
+    and output head its spec names (fp32_modules in models/<name>/spec.py), or the ones fp32_modules lists; false:
+    autocast chooses per operation (utils/precision.py applies it; benchmarks/precision_skill.py measures it)."""
+    fp32_modules: list[str] = field(default_factory=list)
+    """With keep_fp32: the modules to keep, as patterns on their names in named_modules() (fnmatch's: "*norm*",
+    head), each matching at least one; empty: the model's spec's (a model of your own: declare them in its spec, or
+    list them here)."""
     ac: Literal["none", "block", "layer"] = "none"
     """Activation checkpointing per block (Swin or ViT block) or per SwinIR RSTB (layer)."""
     compile: bool = False
@@ -497,6 +505,8 @@ APPLIED_BY: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(["pp_split", "pp_dp"], (_PP,)),
     "dist_timeout_s": (_DDP, _FSDP, _MP, _PP),
     "ckpt_async": (_FSDP, _MP, _PP),
+    # The estimate traces autocast's dtypes per operation, not the kept parts' fp32 activations: it refuses them.
+    **dict.fromkeys(["keep_fp32", "fp32_modules"], ("train.py", "train_with_profiling.py", _DDP, _FSDP, _MP, _PP)),
     **dict.fromkeys([f.name for f in dataclasses.fields(ProfileConfig)], ("train_with_profiling.py",)),
 }
 CHECKED_SCRIPTS = {"train.py", "train_with_profiling.py", _DDP, _FSDP, _MP, _PP, _ESTIMATE}

@@ -76,11 +76,25 @@ def validate(cfg) -> None:
     if t.cuda_graphs and not (t.compile and t.compile_backend == "inductor"):
         raise ConfigError("cuda_graphs replays what torch.compile's inductor captured: add --compile true "
                           "--compile_backend inductor (or drop --cuda_graphs)")
+    _validate_keep_fp32(cfg)
     if t.lr <= 0:
         raise ConfigError(f"lr must be > 0, got {t.lr}")
     if cfg.dist.base_batch_size <= 0 or cfg.dist.warmup_steps < 0:
         raise ConfigError(f"base_batch_size must be > 0 and warmup_steps >= 0, got {cfg.dist.base_batch_size} and "
                           f"{cfg.dist.warmup_steps}")
+
+
+def _validate_keep_fp32(cfg) -> None:
+    t = cfg.train
+    if t.fp32_modules and not t.keep_fp32:
+        raise ConfigError("fp32_modules names the parts keep_fp32 keeps in fp32: add --keep_fp32 true (or drop "
+                          "--fp32_modules)")
+    if t.keep_fp32 and t.amp_dtype == "none":
+        raise ConfigError("keep_fp32 keeps parts of the model in fp32 under autocast; without --amp_dtype everything "
+                          "is fp32 already: add --amp_dtype bf16 (or drop --keep_fp32)")
+    if t.keep_fp32 and cfg.dist.param_dtype != "fp32":
+        raise ConfigError(f"keep_fp32 runs the kept parts with fp32 weights; param_dtype {cfg.dist.param_dtype} "
+                          "hands FSDP2's units bf16 ones: use --param_dtype fp32 with --amp_dtype (or drop --keep_fp32)")
 
 
 def _spec(m):

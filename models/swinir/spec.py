@@ -68,5 +68,7 @@ SPEC = register(ModelSpec(
     build="models.swinir:build",
     memory="models.swinir.memory:SwinIRShape",
     check=check,
+    # Every LayerNorm, and the head after the body: the upsampler's convolutions, which write the output field.
+    fp32_modules=("*norm*", "conv_before_upsample", "upsample", "conv_last", "conv_up1", "conv_up2", "conv_hr"),
     fresh_caches=network._cached_shift_mask.cache_clear,
 ))

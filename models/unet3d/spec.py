@@ -30,4 +30,5 @@ SPEC = register(ModelSpec(
     memory="models.unet3d.memory:UNet3DShape",
     tasks=("volume",),
     check=check,
+    fp32_modules=("last",),  # no normalisations: the last transposed convolution, which writes the output
 ))

@@ -67,4 +67,5 @@ SPEC = register(ModelSpec(
     fixed_input_size=True,
     tasks=("forecast", "diagnostic"),
     check=check,
+    fp32_modules=("*norm*", "head"),  # every LayerNorm, and the head that writes the output patches
 ))

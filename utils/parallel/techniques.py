@@ -1,9 +1,9 @@
 """Scaling techniques, applied from outside to a plain model, always in this order (torchtitan's):
 
-    tensor parallel -> context parallel -> activation checkpointing -> torch.compile -> DDP / FSDP2
+    tensor parallel -> context parallel -> keep_fp32 -> activation checkpointing -> torch.compile -> DDP / FSDP2
 
 (tensor and context parallelism: utils/parallel/tensor_parallel.py, utils/parallel/context_parallel.py;
-FSDP2: utils/parallel/fsdp.py.)
+keep_fp32, the parts kept in fp32 under autocast: utils/precision.py; FSDP2: utils/parallel/fsdp.py.)
 
 Each function takes the model and returns it (modified in place where possible), so a training
 script reads ``model = apply_ac(model, ...); model = apply_compile(model, ...)`` and the model
