@@ -10,7 +10,9 @@ that ``model_class`` names (imported before anything reads the spec)::
 Nothing in ``utils/`` knows a model by its class or its name: the techniques read the spec's plan, the memory
 estimate its memory description (or traces the model), the config checks its ``check``. A model without a spec gets
 the default one: units from its ``blocks()`` if it has that method (the model contract, docs/part4-your-model.md),
-the traced memory estimate, any task but ``volume``.
+else its top-level parts (:func:`top_level_parts`: a library's model, which has no ``blocks()``, still gets
+activation checkpointing and FSDP2 units); the traced memory estimate; every task, the task's own check of the
+contract deciding (utils/tasks.py: what the model takes, and one sample through it on the meta device).
 
 The plan (:class:`ModelPlan`) says, for each technique (None: the technique refuses the model in one line):
 
@@ -36,7 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
 UNITS = ("block", "layer")  # the unit names of the configs' ac and fsdp_unit keys
-TASKS = ("sr", "forecast", "diagnostic")  # what a model trains on unless its spec says otherwise
+FIELD_TASKS = ("sr", "forecast", "diagnostic")  # the tasks of 2-D fields (the ERA5 layout)
+TASKS = (*FIELD_TASKS, "volume")  # what a model trains on unless its spec says otherwise: any whose contract it meets
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,7 @@ class ModelSpec:
     fixed_input_size: bool = False
     """The model takes fields of its ``img_size`` and no other (the ViT: its position embedding)."""
     tasks: tuple[str, ...] = TASKS
-    """The tasks it trains on (utils/tasks.py)."""
+    """The tasks it trains on (utils/tasks.py); by default every one, and the task checks the model's contract."""
     check: Optional[Callable[[Any], None]] = None
     """check(cfg): a ValueError, one line with the fix, for model keys that cannot work (a utils.config.Config)."""
     fresh_caches: Optional[Callable[[], None]] = None
@@ -153,13 +156,29 @@ def register_plan(model_class: type, plan: ModelPlan) -> None:
 
 
 def class_spec(model_class: type) -> ModelSpec:
-    """The spec registered for the class (or a base class); else the default: units from its ``blocks()``, if any."""
+    """The spec registered for the class (or a base class); else the default: units from its ``blocks()``, if it has
+    that method, else its top-level parts."""
     for cls in model_class.__mro__:
         if cls in _SPECS:
             return _SPECS[cls]
     if callable(getattr(model_class, "blocks", None)):  # the contract's one optional method, not its internals
         return ModelSpec(model_class, ModelPlan(units={"block": lambda model: model.blocks()}))
-    return ModelSpec(model_class)
+    return ModelSpec(model_class, ModelPlan(units={"block": top_level_parts}))
+
+
+def top_level_parts(model) -> list:
+    """The units of a model that names none (no spec, no ``blocks()``): from the model down through modules with a
+    single part, the parts (children holding parameters) of the first module with several; a chain that ends in one
+    module is that one. MONAI's UNet: the down block, the skip connection around the rest and the up block of its
+    outermost level; neuraloperator's FNO: lifting, the Fourier blocks, projection. Coarse units (activation
+    checkpointing keeps each one's input and recomputes it in backward; FSDP2 gathers each whole), but any model
+    gets some, read from its module tree alone."""
+    module = model
+    while True:
+        parts = [child for child in module.children() if any(True for _ in child.parameters())]
+        if len(parts) != 1:
+            return parts or ([module] if module is not model else [])
+        module = parts[0]
 
 
 def target_spec(target: Callable) -> ModelSpec:

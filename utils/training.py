@@ -26,8 +26,7 @@ from torch import nn
 from models import ModelError
 
 from utils.checkpoint.files import CheckpointError, StorageError
-from utils.checkpoint.state import (TrainState, capture_rng_state, check_model_settings, restore_rng_state,
-                                    strip_wrapper_prefixes)
+from utils.checkpoint.state import TrainState, capture_rng_state, check_model_settings, model_state, restore_rng_state
 from utils.config import Config, ConfigError, lr_scale
 from utils.data.common import STEP_STREAM, DataError, stable_hash
 from utils.parallel.distributed import DistEnv, device_for, joined_job, read_dist_env
@@ -166,7 +165,7 @@ def total_steps(cfg: Config, steps_per_epoch: int) -> int:
 def checkpoint_payload(model, optimizer, scheduler, scaler, state: TrainState, cfg: Config) -> dict:
     """Everything a resumed run needs; the model under its plain (unwrapped) parameter names."""
     return {
-        "model": strip_wrapper_prefixes(model.state_dict()),
+        "model": model_state(model),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "scaler": scaler.state_dict(),

@@ -7,7 +7,8 @@ from typing import Optional
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from models.spec import FieldPlan, ModelPlan, ModelSpec, StagePlan, TensorParallelPlan, check_heads, register
+from models.spec import (FIELD_TASKS, FieldPlan, ModelPlan, ModelSpec, StagePlan, TensorParallelPlan, check_heads,
+                         register)
 
 from . import network
 from .network import SwinIR
@@ -67,6 +68,7 @@ SPEC = register(ModelSpec(
     name="swinir",
     build="models.swinir:build",
     memory="models.swinir.memory:SwinIRShape",
+    tasks=FIELD_TASKS,
     check=check,
     fresh_caches=network._cached_shift_mask.cache_clear,
 ))

@@ -99,6 +99,17 @@ def _as_python_random_state(saved) -> tuple:
     return (version, tuple(internal), gauss)
 
 
+def model_state(model) -> dict:
+    """The model's weights as a checkpoint holds them: under their plain names (:func:`strip_wrapper_prefixes`),
+    tensors only. A library's ``state_dict`` may add other entries (neuraloperator's models: ``_metadata``, their
+    constructor's arguments, a function among them), which a file that loads with ``weights_only=True`` cannot hold;
+    the run's config holds the model's arguments, and the library's ``load_state_dict`` goes without them."""
+    weights = strip_wrapper_prefixes(model.state_dict())
+    for key in [k for k, value in weights.items() if not isinstance(value, torch.Tensor)]:
+        del weights[key]
+    return weights
+
+
 def strip_wrapper_prefixes(state_dict: dict) -> dict:
     """A copy of ``state_dict`` with the key components that wrappers add removed.
 
