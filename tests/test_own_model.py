@@ -320,6 +320,19 @@ def test_a_model_without_a_spec_trains_on_every_task_whose_contract_it_meets(use
         config(user_folder, "cube", mean=[0.0] * 4, std=[1.0] * 4)
 
 
+def test_what_cannot_work_is_one_line_also_under_launch_py(user_folder, volume_data, tmp_path):
+    """A model refused after the ranks have started (its contract, checked on a sample of the data) is the line of rank
+    0 alone: launch.py, the project's torchrun, leaves out torchrun's elastic traceback and its log lines."""
+    proc = run_script("launch.py", "--standalone", "--nproc-per-node", "2", "train_ddp.py", "--config_file",
+                      str(user_folder / "configs.yaml"), "--config", "cube", "--model_class", "mymodels:Library",
+                      "--model_args.in_channels", "4", "--model_args.out_channels", "5", "--data_dir",
+                      str(volume_data), "--run_dir", str(tmp_path / "run"), check=False)
+    said = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode == 2 and len(said) == 1, said
+    assert said[0].startswith("error: mymodels:Library cannot take a sample of task volume, shape (batch, 4, 32, 32, "
+                              "32): "), said
+
+
 def test_a_library_model_s_layouts_equal_one_process(user_folder, vit_data):
     """DDP, FSDP2 and HSDP with activation checkpointing of its top-level parts, its complex weight gathered by FSDP2
     and viewed afresh in each forward and recomputation: check_layouts.py's harness, as for the built-in models."""
