@@ -37,6 +37,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
+from torch import nn
+
 UNITS = ("block", "layer")  # the unit names of the configs' ac and fsdp_unit keys
 FIELD_TASKS = ("sr", "forecast", "diagnostic")  # the tasks of 2-D fields (the ERA5 layout)
 TASKS = (*FIELD_TASKS, "volume")  # what a model trains on unless its spec says otherwise: any whose contract it meets
@@ -167,18 +169,47 @@ def class_spec(model_class: type) -> ModelSpec:
 
 
 def top_level_parts(model) -> list:
-    """The units of a model that names none (no spec, no ``blocks()``): from the model down through modules with a
-    single part, the parts (children holding parameters) of the first module with several; a chain that ends in one
-    module is that one. MONAI's UNet: the down block, the skip connection around the rest and the up block of its
-    outermost level; neuraloperator's FNO: lifting, the Fourier blocks, projection. Coarse units (activation
-    checkpointing keeps each one's input and recomputes it in backward; FSDP2 gathers each whole), but any model
-    gets some, read from its module tree alone."""
-    module = model
+    """The units of a model that names none (no spec, no ``blocks()``), read from its module tree alone: its parts
+    (:func:`_parts`), then, while one part holds more than half of the model's parameters, that part's own parts in
+    its place, so that FSDP2 gathers no unit of nearly the whole model and activation checkpointing recomputes none.
+    MONAI's UNet: its levels, down block and up block each, down to where the skip connections hold less than half;
+    neuraloperator's FNO: lifting, each Fourier layer's spectral convolution, skip and channel MLP, projection;
+    segmentation_models_pytorch's Unet: the encoder's stem and stages (the largest stage by its blocks), the decoder,
+    the head. Each must be called by the model's forward: a part only read by another (a parameter holder) would
+    stay sharded under FSDP2, and such a model names its units in a plan."""
+    units, total = _parts(model), _size(model)
+    while units:
+        largest = max(units, key=_size)
+        inner = _parts(largest)
+        if 2 * _size(largest) <= total or len(inner) < 2:
+            break
+        at = next(i for i, unit in enumerate(units) if unit is largest)
+        units[at:at + 1] = inner
+    return units
+
+
+def _parts(module) -> list:
+    """The children of ``module`` that hold parameters (a container's, never called itself, in its place: a
+    ModuleList, a ModuleDict); down a chain of single parts, those of the first module with several, or the chain's
+    last module."""
+    start = module
     while True:
-        parts = [child for child in module.children() if any(True for _ in child.parameters())]
+        parts = _holding(module)
         if len(parts) != 1:
-            return parts or ([module] if module is not model else [])
+            return parts or ([module] if module is not start else [])
         module = parts[0]
+
+
+def _holding(module) -> list:
+    found = []
+    for child in module.children():
+        if _size(child):
+            found.extend(_holding(child) if type(child).forward is nn.Module.forward else [child])
+    return found
+
+
+def _size(module) -> int:
+    return sum(p.numel() for p in module.parameters())
 
 
 def target_spec(target: Callable) -> ModelSpec:

@@ -51,6 +51,11 @@ class Result:
     log: Optional[Path] = field(default=None, repr=False)
 
 
+def project_name(requirement: str) -> str:
+    """The normalised project name of 'Name==1.0' (PEP 503: runs of -_. are one -)."""
+    return re.sub(r"[-_.]+", "-", re.split(r"[=<>!~;\[ ]", requirement.strip(), maxsplit=1)[0]).lower()
+
+
 def selected(smokes: Sequence[Smoke], names: Sequence[str]) -> list[Smoke]:
     """The commands named (all if none; a name may be a prefix), with the commands they need, in list order."""
     by_name = {s.name: s for s in smokes}

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from models import ModelError, build_model, complex_state_dict, config_spec, copy_model
 from models import spec as specs
-from models.spec import ModelPlan, built_in, register_plan
+from models.spec import ModelPlan, built_in, register_plan, top_level_parts
 from tests.conftest import FakeMesh, assert_layout_equal, check_layouts, exit_in_one_process, read_metrics, run_script
 from utils.config import ConfigError, build_config
 from utils.parallel.plans import ac_units, model_plan
@@ -293,6 +294,20 @@ def test_a_library_model_as_it_is_units_around_it_complex_weights_in_a_class_tha
     assert copied.spectral.weight.tensor.data_ptr() == copied.spectral.weight.parametrizations.tensor.original0.data_ptr()
     assert copied.spectral.weight.tensor.data_ptr() != owner.tensor.data_ptr()
     torch.testing.assert_close(copied(x), model(x))
+
+
+def test_the_units_of_a_model_without_a_plan_are_its_parts_none_holding_most_of_it():
+    """top_level_parts: the parts a model's forward calls, a container's (never called itself) in its place, and a
+    part with more than half of the parameters split into its own (as FSDP2 wants units: no gather of nearly all)."""
+    net = nn.Module()
+    net.stem = nn.Linear(8, 8)
+    net.big = nn.Sequential(nn.Linear(8, 64), nn.Linear(64, 64))  # 4,736 of the 4,880 parameters
+    net.layers = nn.ModuleList([nn.Linear(8, 8)])
+    assert top_level_parts(net) == [net.stem, net.big[0], net.big[1], net.layers[0]]
+    wrapped = nn.Sequential(nn.Sequential(net))  # down a chain of single parts
+    assert top_level_parts(wrapped) == top_level_parts(net)
+    with pytest.raises(ConfigError, match="the Linear has no unit"):  # nothing to checkpoint: one line
+        ac_units(nn.Linear(2, 2), "block")
 
 
 def mymodels_class(folder: Path, name: str):

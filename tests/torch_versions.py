@@ -31,8 +31,8 @@ from typing import Optional, Sequence
 
 if __package__ in (None, ""):  # run as a script (python tests/torch_versions.py): its folder is not a package then
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.smoke import (REPO, Smoke, add_arguments, error, failed, print_list, reason, run_all, selected, smoke,
-                         summary)
+from tests.smoke import (REPO, Smoke, add_arguments, error, failed, print_list, project_name, reason, run_all,
+                         selected, smoke, summary)
 
 DATA = ("datasets/synthetic_small/valid", "datasets/synthetic_vit/valid/2015.h5")  # make data data-vit
 TIMEOUT_S = 300  # per command; the slowest (a pipeline under torchrun) took under a minute on 2 busy cores
@@ -80,17 +80,12 @@ SMOKES: list[Smoke] = [
 
 # ----------------------------------------------------------------------------------------- the virtualenv
 
-def _name(requirement: str) -> str:
-    """The normalised project name of 'Name==1.0' (PEP 503: runs of -_. are one -)."""
-    return re.sub(r"[-_.]+", "-", re.split(r"[=<>!~;\[ ]", requirement.strip(), maxsplit=1)[0]).lower()
-
-
 def other_pins(constraints: str, installed: Sequence[str], torch: str) -> str:
     """constraints.txt's pins less the packages already installed with torch (its own dependency tree) and those
     that follow the torch release (torchvision), plus torch==VERSION, so that the second install keeps it."""
-    keep = {_name(line) for line in installed if "==" in line} | FOLLOW_TORCH
+    keep = {project_name(line) for line in installed if "==" in line} | FOLLOW_TORCH
     pins = [line.strip() for line in constraints.splitlines()
-            if "==" in line and not line.lstrip().startswith("#") and _name(line) not in keep]
+            if "==" in line and not line.lstrip().startswith("#") and project_name(line) not in keep]
     return "\n".join([*pins, f"torch=={torch}"]) + "\n"
 
 

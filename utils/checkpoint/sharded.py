@@ -34,7 +34,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from utils.checkpoint.files import (DCP_METADATA, TEMP_PREFIX, CheckpointError, DamagedCheckpointError, StorageError,
                                     barrier, checkpoints_by_step, damage_in, ensure_writable_dir, fsync_dir,
                                     note_write_time, replaced_atomically, write_failure)
-from utils.checkpoint.state import TrainState, capture_rng_state, check_model_settings, restore_rng_state
+from utils.checkpoint.state import (TrainState, capture_rng_state, check_model_settings, restore_rng_state,
+                                    tensors_only)
 
 
 def sharded_payload(model, optimizer, scheduler, scaler, state: TrainState, cfg=None) -> dict:
@@ -47,6 +48,7 @@ def sharded_payload(model, optimizer, scheduler, scaler, state: TrainState, cfg=
     count or with a newer config schema.
     """
     model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state = tensors_only(model_state)  # as train.py's files (a library's state_dict may hold more)
     rng = capture_rng_state()
     rng["cuda"] = tuple(rng.get("cuda", ()))
     return {"model": model_state, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
