@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -40,10 +41,11 @@ from tests.smoke import (REPO, Smoke, add_arguments, error, failed, print_list, 
 
 PINS = REPO / "requirements-libraries.txt"
 CONFIGS = "tests/libraries/libraries.yaml"
+JOBS = 2  # commands at a time: CI's 2 cores (most of a command's time is one core importing torch and a library)
 TIMEOUT_S = 300  # per command; the slowest (check_layouts.py: three layouts) took 20 s on 2 busy cores
 IMPORTS = {"monai": "monai", "neuraloperator": "neuralop", "segmentation-models-pytorch": "segmentation_models_pytorch"}
 """The libraries (their names in requirements-libraries.txt) and the modules they install."""
-STAMP = ".installed-libraries"  # in the virtualenv: what it was made from (the pins, the lock, the environment under it)
+STAMP = ".installed-libraries"  # in the virtualenv: what it was made from (pins, lock, the environment under it)
 
 DATA = [
     # The test suite's stand-ins (tests/conftest.py), on the quickstart's 33 x 64 grid (32 x 64 fields: a finer one
@@ -152,7 +154,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--venv", type=Path, default=REPO / ".venv-libraries",
                         help="the libraries' virtualenv (made over this interpreter's environment if missing)")
-    add_arguments(parser, TIMEOUT_S)
+    add_arguments(parser, TIMEOUT_S, JOBS)
     args = parser.parse_args(argv)
     smokes = selected(SMOKES, args.only)
     if args.list:
@@ -167,8 +169,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     runs.mkdir(parents=True)
     print(f"{', '.join(f'{n} {v}' for n, v in pinned(PINS.read_text()).items() if n in IMPORTS)} ({python}), "
           f"{len(smokes)} commands, at most {args.timeout:g} s each; logs in {runs.relative_to(REPO)}/", flush=True)
-    results = run_all(smokes, python, runs, args.timeout)
-    print(summary(results, "libraries"))
+    start = time.perf_counter()
+    results = run_all(smokes, python, runs, args.timeout, args.jobs)
+    print(summary(results, "libraries", time.perf_counter() - start))
     return 1 if failed(results) else 0
 
 

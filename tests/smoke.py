@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
@@ -128,34 +129,53 @@ def report_line(result: Result) -> str:
     return f"{result.status:8} {result.name:22} {result.seconds:6.1f} s  {result.detail}".rstrip()
 
 
-def run_all(smokes: Sequence[Smoke], python: Path, runs: Path, timeout_s: float) -> list[Result]:
+def run_all(smokes: Sequence[Smoke], python: Path, runs: Path, timeout_s: float, jobs: int = 1) -> list[Result]:
+    """Each command once what it needs has passed, ``jobs`` at a time (a command that imports torch spends most of its
+    seconds on one core: two at a time keep two cores busy), in list order as far as they are ready; one line each
+    as it ends. The results in list order."""
     results: dict[str, Result] = {}
-    for smoke in smokes:
-        failed = [need for need in smoke.needs if results[need].status != "ok"]
-        if failed:
-            result = Result(smoke.name, "FAIL", 0.0, f"not run: {', '.join(failed)} did not pass")
-        else:
-            result = run_one(smoke.name, command(smoke, python, runs), timeout_s, runs / f"{smoke.name}.log")
-        results[smoke.name] = result
-        print(report_line(result), flush=True)
-    return list(results.values())
+    pending, running = list(smokes), {}
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        while pending or running:
+            for smoke in [s for s in pending if all(need in results for need in s.needs)]:
+                if len(running) >= max(1, jobs):
+                    break
+                pending.remove(smoke)
+                failed = [need for need in smoke.needs if results[need].status != "ok"]
+                if failed:
+                    results[smoke.name] = Result(smoke.name, "FAIL", 0.0, f"not run: {', '.join(failed)} did not pass")
+                    print(report_line(results[smoke.name]), flush=True)
+                    continue
+                running[pool.submit(run_one, smoke.name, command(smoke, python, runs), timeout_s,
+                                    runs / f"{smoke.name}.log")] = smoke
+            if not running:  # every ready one was told "not run": the next round takes what that readied
+                if not any(all(need in results for need in s.needs) for s in pending) and pending:
+                    raise SystemExit(f"error: {pending[0].name} needs a command that is not in the list")
+                continue
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in done:
+                results[running.pop(future).name] = future.result()
+                print(report_line(future.result()), flush=True)
+    return [results[smoke.name] for smoke in smokes]
 
 
-def summary(results: Sequence[Result], what: str) -> str:
+def summary(results: Sequence[Result], what: str, seconds: Optional[float] = None) -> str:
+    """The counts, and ``seconds`` (the wall time of them all; by default the commands' own times added up)."""
     counts = {status: sum(r.status == status for r in results) for status in ("ok", "refused", "FAIL", "TIMEOUT")}
-    minutes, seconds = divmod(round(sum(r.seconds for r in results)), 60)
+    minutes, rest = divmod(round(sum(r.seconds for r in results) if seconds is None else seconds), 60)
     return (f"{what}: {counts['ok']} ok, {counts['refused']} refused, {counts['FAIL']} failed, "
-            f"{counts['TIMEOUT']} timed out ({minutes} min {seconds} s)")
+            f"{counts['TIMEOUT']} timed out ({minutes} min {rest} s)")
 
 
 def failed(results: Sequence[Result]) -> bool:
     return any(r.status in ("FAIL", "TIMEOUT") for r in results)
 
 
-def add_arguments(parser: argparse.ArgumentParser, timeout_s: float) -> None:
-    """The options every runner has: --only, --timeout, --list."""
+def add_arguments(parser: argparse.ArgumentParser, timeout_s: float, jobs: int = 1) -> None:
+    """The options every runner has: --only, --timeout, --jobs, --list."""
     parser.add_argument("--only", nargs="+", default=[], metavar="NAME", help="these commands (or name prefixes)")
     parser.add_argument("--timeout", type=float, default=timeout_s, help="seconds per command")
+    parser.add_argument("--jobs", type=int, default=jobs, help="commands run at a time")
     parser.add_argument("--list", action="store_true", help="print the commands and exit")
 
 

@@ -98,3 +98,18 @@ def test_replicated_convolutions_computed_locally_give_the_plain_values_and_repl
             torch.testing.assert_close(ours.grad.to_local(), theirs.grad)
     finally:
         dist.destroy_process_group()
+
+
+def test_commands_run_two_at_a_time_once_what_they_need_has_passed(tmp_path):
+    def sleeps(name: str) -> runner.Smoke:  # writes when it started and ended
+        return runner.smoke(name, "-c", f"import time; s = time.time(); time.sleep(1); "
+                                        f"open({str(tmp_path / name)!r}, 'w').write(f'{{s}} {{time.time()}}')")
+    smokes = [sleeps("a"), sleeps("b"), runner.smoke("broken", "-c", "raise SystemExit('error: no')"),
+              runner.smoke("after_a", "-c", "pass", needs=["a"]),
+              runner.smoke("after_broken", "-c", "pass", needs=["broken"])]
+    results = runner.run_all(smokes, Path(sys.executable), tmp_path, timeout_s=60, jobs=2)
+    (a_start, a_end), (b_start, b_end) = ([float(t) for t in (tmp_path / n).read_text().split()] for n in "ab")
+    assert a_start < b_end and b_start < a_end  # side by side
+    assert [(r.name, r.status) for r in results] == [("a", "ok"), ("b", "ok"), ("broken", "FAIL"), ("after_a", "ok"),
+                                                     ("after_broken", "FAIL")]
+    assert results[-1].detail == "not run: broken did not pass"

@@ -147,7 +147,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     runs.mkdir(parents=True)
     print(f"torch {venv_torch(python)} ({python}), {len(smokes)} commands, at most {args.timeout:g} s each; "
           f"logs in {runs.relative_to(REPO)}/", flush=True)
-    results = run_all(smokes, python, runs, args.timeout)
+    results = run_all(smokes, python, runs, args.timeout, args.jobs)
     print(summary(results, f"torch {args.torch}"))
     return 1 if failed(results) else 0
 
