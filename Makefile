@@ -10,6 +10,8 @@
 #   make real-data     real ERA5 fields for its tests and examples (datasets/real: cfgrib's sample, from PyPI)
 # and on a machine with a CUDA GPU, with the torch already there (no .venv, no network):
 #   make gpu-check   tests/gpu_check.py: the CUDA tests, Steps 1-2 measured, MFU, profiling, the ladder; one report
+# and other libraries' models by class path alone (MONAI, neuraloperator, segmentation_models_pytorch), as CI runs it:
+#   make test-libraries  tests/libraries.py: each through every script, in .venv-libraries over .venv (a few minutes)
 # and after a change to what the pages' deterministic outputs show (the estimate, the plan):
 #   make docs-outputs  rewrites those output blocks from fresh runs (tests/test_readme.py compares them exactly)
 # Installs take the tested versions from constraints.txt; `make lock` refreshes it, LOCK= skips it.
@@ -40,8 +42,8 @@ TORCH_INDEX_FAILED = echo "error: pip could not install torch==$(TORCH_PIN) from
 	above): load the site's PyTorch module (docs/setup.md), or choose the index: make install TORCH_INDEX=URL \
 	(https://download.pytorch.org/whl/cpu: CPU only)" >&2; exit 1
 
-.PHONY: train train-vit train-unet test test-torch data data-vit data-unet install install-data real-data lock clean \
-	gpu-check docs-outputs
+.PHONY: train train-vit train-unet test test-torch test-libraries data data-vit data-unet install install-data real-data \
+	lock clean gpu-check docs-outputs
 
 install: $(VENV)/.installed
 
@@ -146,6 +148,13 @@ TORCH ?=
 TORCH_VENV ?= .venv-torch-$(TORCH)
 test-torch: data data-vit
 	$(PYTHON) tests/torch_versions.py --torch "$(TORCH)" --venv "$(TORCH_VENV)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+
+# Other libraries' models, each by its class path alone, through every script (tests/libraries.py; docs/development.md):
+# .venv-libraries holds the versions of requirements-libraries.txt and reads .venv for the rest (its torch is not
+# installed again); made once, then reused. CI runs it after make test (.ci/run).
+LIBRARIES_VENV ?= .venv-libraries
+test-libraries: $(VENV)/.installed $(VENV)/.installed-data
+	$(PY) tests/libraries.py --venv "$(LIBRARIES_VENV)"
 
 clean:
 	rm -rf runs $(QUICKSTART_DATA) $(VIT_DATA) $(VOLUME_DATA)

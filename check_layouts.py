@@ -264,7 +264,7 @@ def check(cfg: Config, args, world: int, say) -> bool:
             "(why: utils/layouts/equivalence.py)")
         say(f"{'layout':<{width}}  {'loss':>7}  {'gradients':>9}  {'weights':>7}  verdict  worst gradient")
     reference = one_process(model, cfg, batches, loss_fn, make_optimizer)
-    equal, differ, caught, missed, refused = [], [], [], [], set()
+    equal, differ, caught, missed, refused, rounding = [], [], [], [], set(), set()
     for row in rows:
         why = row.why
         if row.left_out and row.layout in refused:  # its layout already said why it does not run
@@ -281,12 +281,16 @@ def check(cfg: Config, args, world: int, say) -> bool:
             continue
         s = comparison.summary()
         ((missed if s["passed"] else caught) if row.left_out else (equal if s["passed"] else differ)).append(row.label)
+        rounding.update(s["rounding"])
         detail = "; ".join(([f"no rank holds {', '.join(s['missing'])}"] if s["missing"] else []) + [s["detail"]])
         say(json.dumps({"layout": row.label, "left_out": row.left_out, **s}) if args.json else
             f"{row.label:<{width}}  {s['loss']:7.1e}  {s['grad']:9.1e}  {s['weight']:7.1e}  "
             f"{'PASS' if s['passed'] else 'FAIL':<7}  {s['worst_grad']}"
             + (f"  ({detail.strip('; ')})" if detail.strip("; ") else ""))
     if not args.json:
+        if rounding:
+            say(f"not compared: the weights of {', '.join(sorted(rounding))}, whose gradients are zero up to rounding "
+                "(AdamW's steps on them are rounding noise; utils/layouts/equivalence.py, ROUNDING)")
         say(f"{len(equal)} of {len(equal) + len(differ)} layouts equal one process"
             + (f"; differ: {', '.join(differ)}" if differ else "")
             + (f"; without {args.left_out}, {len(caught)} of {len(caught) + len(missed)} differ, as they must"

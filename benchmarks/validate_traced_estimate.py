@@ -15,6 +15,12 @@ run to run (the U-Net quickstart's, with 4 MB units: 12.5 to 20.9 MB on 4 proces
     python benchmarks/validate_traced_estimate.py --quick         # the tiny models and the FNO only
     python benchmarks/validate_traced_estimate.py --model "FNO quickstart"   # one model's rows (repeatable)
     python benchmarks/validate_traced_estimate.py --markdown      # the table as benchmarks/README.md shows it
+    python benchmarks/validate_traced_estimate.py --config_file my.yaml --config mine --layout 2,fsdp,ac=block
+                                                                  # your model, in the layouts you name
+
+--config NAME (with --config_file PATH: your named configs) measures a model of yours instead, as the config builds it;
+--layout PROCESSES,STRATEGY[,KEY=VALUE...] (repeatable) a layout of your own instead of the grid, e.g. 1,none,ac=block
+or 2,fsdp,ac=block,amp_dtype=bf16 (make test-libraries measures the libraries' models so, tests/libraries.py).
 
 Exit status 1 if a traced estimate is off by more than --tolerance (default 10 %) from every measured run of its case.
 """
@@ -34,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from utils.config import build_config  # noqa: E402
@@ -76,13 +83,22 @@ LAYOUTS = [
 ]
 
 
-def case_config(model: str, keys: dict):
-    base, overrides = MODELS[model]
-    cfg = build_config(base, {**overrides, **keys, "device": "cpu"}, EXAMPLE_CONFIGS)
+def case_config(model: str, keys: dict, config_file: Path = EXAMPLE_CONFIGS):
+    base, overrides = MODELS.get(model, (model, {}))  # not one of MODELS: a named config of config_file
+    cfg = build_config(base, {**overrides, **keys, "device": "cpu"}, config_file)
     if model.startswith("ViT"):  # the data's statistics: any values save the same tensors
         m = cfg.model
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(m, mean=[0.0] * m.in_chans, std=[1.0] * m.in_chans))
     return cfg
+
+
+def layout(text: str) -> tuple[int, str, dict]:
+    """--layout's PROCESSES,STRATEGY[,KEY=VALUE...]: (processes, strategy, config keys; values read as YAML)."""
+    processes, strategy, *pairs = text.split(",")
+    if not processes.isdigit() or strategy not in ("none", "ddp", "fsdp") or not all("=" in p for p in pairs):
+        raise argparse.ArgumentTypeError(f"{text!r} is not PROCESSES,STRATEGY[,KEY=VALUE...] (strategy none, ddp or "
+                                         "fsdp), e.g. 2,fsdp,ac=block")
+    return int(processes), strategy, {k: yaml.safe_load(v) for k, v in (p.split("=", 1) for p in pairs)}
 
 
 def label(strategy: str, keys: dict) -> str:
@@ -93,13 +109,13 @@ def label(strategy: str, keys: dict) -> str:
     return f"{name}, {precision.replace('none', 'fp32')}, AC {keys.get('ac', 'none')}"
 
 
-def _worker(rank: int, ranks: int, port: int, cases: list, repeats: int, out: str) -> None:
+def _worker(rank: int, ranks: int, port: int, cases: list, repeats: int, out: str, config_file: Path) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # as torchrun runs each process
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
     results = []
     for model, strategy, keys in cases:
-        cfg = case_config(model, keys)
+        cfg = case_config(model, keys, config_file)
         peaks = []
         for _ in range(repeats if strategy != "none" else 1):  # (one process: the same peak every time)
             measured = measure_layout(cfg, strategy)
@@ -114,7 +130,7 @@ def _worker(rank: int, ranks: int, port: int, cases: list, repeats: int, out: st
     exit_process(0, joined=True)  # gloo's threads outlive destroy_process_group: no interpreter shutdown
 
 
-def measure_all(cases: list, repeats: int) -> list:
+def measure_all(cases: list, repeats: int, config_file: Path = EXAMPLE_CONFIGS) -> list:
     """The measured peaks (the largest rank's, ``repeats`` times for DDP, FSDP and HSDP, whose gloo collectives run on
     threads of their own: when their staging buffers meet a backward's peak varies from run to run) of each
     (processes, model, strategy, keys), run on its number of processes."""
@@ -125,15 +141,16 @@ def measure_all(cases: list, repeats: int) -> list:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
             sock.close()
-            mp.spawn(_worker, args=(ranks, port, group, repeats, f"{tmp}/out.json"), nprocs=ranks)
+            mp.spawn(_worker, args=(ranks, port, group, repeats, f"{tmp}/out.json", config_file), nprocs=ranks)
             for case, values in zip(group, json.loads(Path(f"{tmp}/out.json").read_text())):
                 results[(ranks, *case[:2], json.dumps(case[2]))] = values
     return [results[(c[0], c[1], c[2], json.dumps(c[3]))] for c in cases]
 
 
-def estimate(model: str, ranks: int, strategy: str, keys: dict) -> tuple[float, float | None]:
+def estimate(model: str, ranks: int, strategy: str, keys: dict,
+             config_file: Path = EXAMPLE_CONFIGS) -> tuple[float, float | None]:
     """(traced, hand-written) estimate of the largest rank's peak; hand-written None where the model has none."""
-    cfg = case_config(model, keys)
+    cfg = case_config(model, keys, config_file)
     hand = estimate_memory(cfg, ranks, strategy, device_type="cpu").total if has_description(cfg.model) else None
     return estimate_traced(cfg, ranks, strategy, "cpu").total, hand
 
@@ -142,18 +159,22 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     parser.add_argument("--model", action="append", choices=tuple(MODELS), help="only this model (repeatable)")
+    parser.add_argument("--config", action="append", default=[], help="a named config of yours instead (repeatable)")
+    parser.add_argument("--config_file", type=Path, default=EXAMPLE_CONFIGS, help="where --config's names are")
+    parser.add_argument("--layout", action="append", type=layout, default=[],
+                        help="PROCESSES,STRATEGY[,KEY=VALUE...] instead of the grid (repeatable), e.g. 2,fsdp,ac=block")
     parser.add_argument("--markdown", action="store_true", help="a Markdown table")
     parser.add_argument("--tolerance", type=float, default=0.10, help="largest accepted relative error of the peak")
     parser.add_argument("--repeats", type=int, default=3, help="measurements of each DDP/FSDP/HSDP case (the median)")
     parser.add_argument("--measured", type=Path, default=None,
                         help="a JSON file of the measurements: read if it exists (estimates only), else written")
     args = parser.parse_args(argv)
-    models = args.model or (QUICK if args.quick else tuple(MODELS))
-    cases = [(ranks, model, strategy, keys) for model in models for ranks, strategy, keys in LAYOUTS]
+    models = args.config or args.model or (QUICK if args.quick else tuple(MODELS))
+    cases = [(ranks, model, strategy, keys) for model in models for ranks, strategy, keys in args.layout or LAYOUTS]
     if args.measured and args.measured.exists():
         measured = json.loads(args.measured.read_text())
     else:
-        measured = measure_all(cases, args.repeats)
+        measured = measure_all(cases, args.repeats, args.config_file)
         if args.measured:
             args.measured.write_text(json.dumps(measured))
     if args.markdown:
@@ -166,7 +187,7 @@ def main(argv=None) -> int:
     for (ranks, model, strategy, keys), peaks in zip(cases, measured):
         peak = statistics.median(peaks)
         spread = f" ({min(peaks) / 1e6:.2f}-{max(peaks) / 1e6:.2f})" if len(peaks) > 1 else ""
-        traced, hand = estimate(model, ranks, strategy, keys)
+        traced, hand = estimate(model, ranks, strategy, keys, args.config_file)
         error = traced / peak - 1
         worst = max(worst, abs(error))
         # Within tolerance of some measured run (DDP's and FSDP's vary from run to run: see the module docstring).

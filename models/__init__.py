@@ -7,13 +7,14 @@ with the keyword arguments it names among:
 
 - the data's, the model contract (docs/part4-your-model.md): ``in_chans``, ``out_chans``, ``img_size`` (height,
   width), ``upscale``, ``mean`` and ``std`` (per channel, physical units: a model fed physical units normalises
-  inside, as models/common.py's ``PhysicalUnitsModel`` does);
+  inside, as models/common.py's ``PhysicalUnitsModel`` does; one that takes neither, a library's, is fed
+  standardised fields and its outputs are turned back into physical units around it: :func:`units_inside`);
 - ``model_args``, the model's own arguments (a built-in model's ``embed_dim``, ``depths``, ...:
   ``--model_args.embed_dim 16``), over its builder's defaults (:func:`model_arguments`).
 
 Then it checks what the techniques rely on: an ``nn.Module``, whose complex parameters (a spectral layer's weights,
 as neuraloperator stores them) it stores as their real view, since fused AdamW, FSDP2 and DCP refuse complex ones
-(:func:`store_complex_as_real`). Every breach is one line (:class:`ModelError`, exit code 2 in the scripts), not a
+(:func:`store_complex_as_real`; models/adapt.py, which changes no class of the model). Every breach is one line (:class:`ModelError`, exit code 2 in the scripts), not a
 traceback.
 """
 
@@ -27,14 +28,15 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 import yaml
-from torch.nn.utils import parametrize
 
+from .adapt import complex_state_dict, copy_model, standardise_around, store_complex_as_real
 from .spec import ModelSpec, built_in, built_in_names, target_spec
 
 # The built-in models (models/<name>/: the network and its spec) are imported where a config names them, not here:
 # their specs' memory descriptions use the helpers of utils/, which import this module.
-__all__ = ["ModelError", "build_model", "config_spec", "count_parameters", "fixed_input_size", "load_model_class",
-           "accepted_arguments", "model_arguments", "on_meta"]
+__all__ = ["ModelError", "accepted_arguments", "build_model", "complex_state_dict", "config_spec", "copy_model",
+           "count_parameters", "fixed_input_size", "load_model_class", "model_arguments", "named_arguments", "on_meta",
+           "store_complex_as_real", "units_inside"]
 
 DATA_ARGS = ("in_chans", "out_chans", "img_size", "upscale", "mean", "std", "out_mean", "out_std")
 """What a model may take from the data (resolved from it before the model is built)."""
@@ -89,7 +91,9 @@ def build_model(cfg) -> nn.Module:
     target = load_model_class(cfg.model_class, cfg.model_path)
     takes = _arguments(target, cfg.model_class)
     data = {**{name: getattr(cfg, name) for name in DATA_ARGS}, "img_size": cfg.img_hw}
-    kwargs = {**{k: v for k, v in data.items() if k in takes or None in takes}, **model_arguments(cfg, target)}
+    # The data's arguments go to the names the builder names; its **kwargs take model_args only: a library's class
+    # hands them on to its parts (segmentation_models_pytorch's Unet to its encoder), which know none of these names.
+    kwargs = {**{k: v for k, v in data.items() if k in takes}, **model_arguments(cfg, target)}
     if "mean" in kwargs and not kwargs["mean"]:
         raise ModelError("build_model: mean/std are empty; resolve them from the data first "
                          "(utils.data.era5.resolve_from_data) or set them in the config")
@@ -99,51 +103,21 @@ def build_model(cfg) -> nn.Module:
         raise ModelError(f"{cfg.model_class}({_shown(kwargs)}): {str(error).splitlines()[0]}") from error
     check_contract(model, cfg.model_class)
     store_complex_as_real(model)
+    if cfg.mean and not units_inside(takes):  # the data's statistics: a field task's physical units
+        standardise_around(model, cfg.mean, cfg.std, cfg.out_mean, cfg.out_std)
     return model
+
+
+def units_inside(takes) -> bool:
+    """Whether a model whose builder names the arguments ``takes`` handles physical units itself, given the data's
+    ``mean`` or ``std``; else the project standardises around it (models/adapt.py: ``standardise_around``)."""
+    return "mean" in takes or "std" in takes
 
 
 def check_contract(model: Any, name: str) -> None:
     """What every technique relies on, said at build time (not three layers down in fused AdamW or FSDP2)."""
     if not isinstance(model, nn.Module):
         raise ModelError(f"{name} returned a {type(model).__name__}, not a torch.nn.Module")
-
-
-class _ComplexFromReal(nn.Module):
-    """The parametrization: the stored parameter is real (..., 2), the module reads a complex view of it."""
-
-    def forward(self, real: torch.Tensor) -> torch.Tensor:
-        return torch.view_as_complex(real)
-
-    def right_inverse(self, value: torch.Tensor) -> tuple[torch.Tensor]:
-        return (torch.view_as_real(value),)  # a sequence: parametrize lets only those change the dtype
-
-
-def store_complex_as_real(model: nn.Module) -> list[str]:
-    """Each complex parameter stored as its real view (``torch.nn.utils.parametrize``): fused AdamW, FSDP2's
-    sharding and DCP see real numbers, while the model's own code, unchanged, still reads a complex tensor (a view
-    of the same memory, no copy). AdamW on the real view is AdamW on the complex numbers (torch's own optimizer
-    views them so). In checkpoints the weight is ``<module>.parametrizations.<name>.original0``. Returns the names."""
-    names = [n for n, p in model.named_parameters() if p.is_complex()]
-    for name in names:
-        owner, _, attribute = name.rpartition(".")
-        parametrize.register_parametrization(model.get_submodule(owner), attribute, _ComplexFromReal(), unsafe=True)
-    return names
-
-
-_REAL_VIEW = ".parametrizations."  # <owner>.parametrizations.<name>.original0: a complex parameter's real view
-
-
-def complex_state_dict(state_dict: dict) -> dict:
-    """A state_dict of :func:`store_complex_as_real`'s model with each real view back under its own name, complex:
-    what the model's own class, built without this project, loads (``load_state_dict``)."""
-    plain = {}
-    for key, value in state_dict.items():
-        owner, found, rest = f".{key}".partition(_REAL_VIEW)  # the leading dot: the root module's own parameters
-        if found and rest.endswith(".original0"):
-            plain[f"{owner}.{rest[:-len('.original0')]}"[1:]] = torch.view_as_complex(value.contiguous())
-        else:
-            plain[key] = value
-    return plain
 
 
 def model_arguments(cfg, target: Optional[Callable] = None) -> dict[str, Any]:
@@ -172,6 +146,11 @@ def accepted_arguments(cfg) -> Optional[set[str]]:
     """The names of the arguments the model's builder takes (None: any, it takes **kwargs)."""
     takes = _arguments(load_model_class(cfg.model_class, cfg.model_path), cfg.model_class)
     return None if None in takes else set(takes)
+
+
+def named_arguments(cfg) -> set[str]:
+    """The names of the arguments the model's builder names (the data's go to these alone)."""
+    return {name for name in _arguments(load_model_class(cfg.model_class, cfg.model_path), cfg.model_class) if name}
 
 
 _EMPTY, _NOT_PLAIN = inspect.Parameter.empty, object()

@@ -10,7 +10,9 @@ that ``model_class`` names (imported before anything reads the spec)::
 Nothing in ``utils/`` knows a model by its class or its name: the techniques read the spec's plan, the memory
 estimate its memory description (or traces the model), the config checks its ``check``. A model without a spec gets
 the default one: units from its ``blocks()`` if it has that method (the model contract, docs/part4-your-model.md),
-the traced memory estimate, any task but ``volume``.
+else its top-level parts (:func:`top_level_parts`: a library's model, which has no ``blocks()``, still gets
+activation checkpointing and FSDP2 units); the traced memory estimate; every task, the task's own check of the
+contract deciding (utils/tasks.py: what the model takes, and one sample through it on the meta device).
 
 The plan (:class:`ModelPlan`) says, for each technique (None: the technique refuses the model in one line):
 
@@ -35,8 +37,11 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
+from torch import nn
+
 UNITS = ("block", "layer")  # the unit names of the configs' ac and fsdp_unit keys
-TASKS = ("sr", "forecast", "diagnostic")  # what a model trains on unless its spec says otherwise
+FIELD_TASKS = ("sr", "forecast", "diagnostic")  # the tasks of 2-D fields (the ERA5 layout)
+TASKS = (*FIELD_TASKS, "volume")  # what a model trains on unless its spec says otherwise: any whose contract it meets
 
 
 @dataclass(frozen=True)
@@ -118,7 +123,7 @@ class ModelSpec:
     fixed_input_size: bool = False
     """The model takes fields of its ``img_size`` and no other (the ViT: its position embedding)."""
     tasks: tuple[str, ...] = TASKS
-    """The tasks it trains on (utils/tasks.py)."""
+    """The tasks it trains on (utils/tasks.py); by default every one, and the task checks the model's contract."""
     check: Optional[Callable[[Any], None]] = None
     """check(cfg): a ValueError, one line with the fix, for model keys that cannot work (a utils.config.Config)."""
     fp32_modules: tuple[str, ...] = ()
@@ -158,13 +163,58 @@ def register_plan(model_class: type, plan: ModelPlan) -> None:
 
 
 def class_spec(model_class: type) -> ModelSpec:
-    """The spec registered for the class (or a base class); else the default: units from its ``blocks()``, if any."""
+    """The spec registered for the class (or a base class); else the default: units from its ``blocks()``, if it has
+    that method, else its top-level parts."""
     for cls in model_class.__mro__:
         if cls in _SPECS:
             return _SPECS[cls]
     if callable(getattr(model_class, "blocks", None)):  # the contract's one optional method, not its internals
         return ModelSpec(model_class, ModelPlan(units={"block": lambda model: model.blocks()}))
-    return ModelSpec(model_class)
+    return ModelSpec(model_class, ModelPlan(units={"block": top_level_parts}))
+
+
+def top_level_parts(model) -> list:
+    """The units of a model that names none (no spec, no ``blocks()``), read from its module tree alone: its parts
+    (:func:`_parts`), then, while one part holds more than half of the model's parameters, that part's own parts in
+    its place, so that FSDP2 gathers no unit of nearly the whole model and activation checkpointing recomputes none.
+    MONAI's UNet: its levels, down block and up block each, down to where the skip connections hold less than half;
+    neuraloperator's FNO: lifting, each Fourier layer's spectral convolution, skip and channel MLP, projection;
+    segmentation_models_pytorch's Unet: the encoder's stem and stages (the largest stage by its blocks), the decoder,
+    the head. Each must be called by the model's forward: a part only read by another (a parameter holder) would
+    stay sharded under FSDP2, and such a model names its units in a plan."""
+    units, total = _parts(model), _size(model)
+    while units:
+        largest = max(units, key=_size)
+        inner = _parts(largest)
+        if 2 * _size(largest) <= total or len(inner) < 2:
+            break
+        at = next(i for i, unit in enumerate(units) if unit is largest)
+        units[at:at + 1] = inner
+    return units
+
+
+def _parts(module) -> list:
+    """The children of ``module`` that hold parameters (a container's, never called itself, in its place: a
+    ModuleList, a ModuleDict); down a chain of single parts, those of the first module with several, or the chain's
+    last module."""
+    start = module
+    while True:
+        parts = _holding(module)
+        if len(parts) != 1:
+            return parts or ([module] if module is not start else [])
+        module = parts[0]
+
+
+def _holding(module) -> list:
+    found = []
+    for child in module.children():
+        if _size(child):
+            found.extend(_holding(child) if type(child).forward is nn.Module.forward else [child])
+    return found
+
+
+def _size(module) -> int:
+    return sum(p.numel() for p in module.parameters())
 
 
 def target_spec(target: Callable) -> ModelSpec:

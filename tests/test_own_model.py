@@ -15,16 +15,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 import estimate_memory
-from models import ModelError, build_model
+from models import ModelError, build_model, complex_state_dict, config_spec, copy_model
 from models import spec as specs
-from models.spec import ModelPlan, built_in, register_plan
-from tests.conftest import FakeMesh, exit_in_one_process, read_metrics, run_script
+from models.spec import ModelPlan, built_in, register_plan, top_level_parts
+from tests.conftest import FakeMesh, assert_layout_equal, check_layouts, exit_in_one_process, read_metrics, run_script
 from utils.config import ConfigError, build_config
 from utils.parallel.plans import ac_units, model_plan
 from utils.parallel.tensor_parallel import apply_tp
-from utils.tasks import Diagnostic, Forecast, task_class
+from utils.tasks import Diagnostic, Forecast, Volume, task_class
 
 MODELS = '''
 import torch
@@ -61,12 +62,65 @@ class Spectral(Mixer):
         return super().forward(x) * (1 + 0.01 * self.weights.abs().mean())
 
 
-class Raw(nn.Module):
-    """No mean and std: it would train on raw z500 (~5e4)."""
+class Half(nn.Module):
+    """A mean but no std: it cannot normalise, nor can the project standardise around it."""
 
-    def __init__(self, in_chans):
+    def __init__(self, in_chans, mean):
         super().__init__()
         self.conv = nn.Conv2d(in_chans, in_chans, 1)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+class Factorized(nn.Module):
+    """A complex weight in a class that takes no subclass without a name, as tensorly-torch's FactorizedTensor, which
+    holds neuraloperator's spectral weights: torch's parametrize, which subclasses the owner's class, fails on it."""
+
+    def __init_subclass__(cls, name, **kwargs):
+        super().__init_subclass__(**kwargs)
+
+    def __init__(self, *shape):
+        super().__init__()
+        self.tensor = nn.Parameter(0.1 * torch.randn(*shape, dtype=torch.cfloat))
+
+
+class SpectralConv(nn.Module):
+    """Reads its Factorized weight, which is never called itself (neuraloperator's SpectralConv)."""
+
+    def __init__(self, width, modes):
+        super().__init__()
+        self.weight = Factorized(width, width, modes, modes)
+
+    def forward(self, h):
+        m = self.weight.tensor.shape[-1]
+        spectrum = torch.fft.rfft2(h)
+        mixed = torch.zeros_like(spectrum)
+        mixed[..., :m, :m] = torch.einsum("bixy,ioxy->boxy", spectrum[..., :m, :m], self.weight.tensor)
+        return torch.fft.irfft2(mixed, s=h.shape[-2:])
+
+
+class Library(nn.Module):
+    """A library's model, by class path only: its own argument names (in_channels, out_channels: model_args), no
+    mean and std (the project standardises around it), no blocks() (its top-level parts are its units)."""
+
+    def __init__(self, in_channels, out_channels, width=8, modes=4):
+        super().__init__()
+        self.lift = nn.Conv2d(in_channels, width, 1)
+        self.spectral = SpectralConv(width, modes)
+        self.project = nn.Conv2d(width, out_channels, 1)
+
+    def forward(self, x):
+        h = self.lift(x)
+        return self.project(torch.tanh(h + self.spectral(h)))
+
+
+class Cube(nn.Module):
+    """A 3-D model without a spec: task volume's crops, (B, 4, D, D, D) -> (B, 5, D, D, D)."""
+
+    def __init__(self, in_channels, out_channels):
+        super().__init__()
+        self.conv = nn.Conv3d(in_channels, out_channels, 3, padding=1)
 
     def forward(self, x):
         return self.conv(x)
@@ -117,6 +171,16 @@ t2m_from_wind:  # a task declared by its channels on a forecast base (20 channel
   model_class: mymodels:Pointwise
   max_steps: 3
   val_every: 3
+library:
+  base: mixer
+  model: library
+  model_class: mymodels:Library
+  model_args: {in_channels: 20, out_channels: 20}
+cube:
+  base: unet3d_quickstart
+  model: cube
+  model_class: mymodels:Cube
+  model_args: {in_channels: 4, out_channels: 5}
 loop_a: {base: loop_b}
 loop_b: {base: loop_a}
 orphan: {base: nowhere}
@@ -206,7 +270,7 @@ def test_complex_parameters_are_stored_real_and_trained_as_complex_ones(user_fol
 
 
 @pytest.mark.parametrize("model_class, message", [
-    ("mymodels:Raw", "mymodels:Raw takes no mean and std, but task forecast gives it physical units"),
+    ("mymodels:Half", r"mymodels:Half takes mean but not std: task forecast gives it physical units \(z500"),
     ("mymodels:Shrinks", r"mymodels:Shrinks maps a sample of task forecast of shape \(20, 16, 32\) to \(20, 16, 16\), "
                          r"but the targets are \(20, 16, 32\)"),
 ])
@@ -220,9 +284,103 @@ def test_the_contract_is_checked_for_the_task_at_build_time(user_folder, model_c
 def test_a_diagnostic_task_asks_a_model_for_the_targets_statistics(user_folder):
     cfg = config(user_folder, "bare")  # Mixer takes mean and std, not out_mean and out_std
     sample = (torch.zeros(20, 16, 32), torch.zeros(1, 16, 32))
-    with pytest.raises(ModelError, match="mymodels:Mixer takes no out_mean and out_std, but task diagnostic asks it "
-                                         "for other channels than it reads"):
+    with pytest.raises(ModelError, match="mymodels:Mixer takes mean, std but not out_mean, out_std: task diagnostic "
+                                         r"gives it physical units \(z500 ~5e4, t2m ~280\) and wants other channels back in "
+                                         "their own units"):
         Diagnostic.check_model(Diagnostic.__new__(Diagnostic), cfg.model, sample)
+
+
+def test_a_library_model_as_it_is_units_around_it_complex_weights_in_a_class_that_takes_no_subclass(user_folder):
+    """Library: no mean and std, no blocks(), a complex weight in a class that refuses subclasses (the build failed in
+    torch's parametrize with a TypeError, as neuraloperator's FNO did)."""
+    torch.manual_seed(0)
+    mean, std = [float(c) for c in range(20)], [1.0 + c for c in range(20)]
+    model = build_model(config(user_folder, "library", mean=mean, std=std))
+    owner = model.spectral.weight
+    assert type(owner) is mymodels_class(user_folder, "Factorized")  # its class as it was, not a subclass
+    assert not any(p.is_complex() for p in model.parameters()) and owner.tensor.is_complex()
+    stored = model.state_dict()["spectral.weight.parametrizations.tensor.original0"]
+    assert stored.shape == (8, 8, 4, 4, 2) and stored.data_ptr() == owner.tensor.data_ptr()
+    assert ac_units(model, "block") == [model.lift, model.spectral, model.project]  # its top-level parts
+    # Physical units in and out: standardised with the data's statistics around the model's own forward.
+    x = torch.randn(2, 20, 16, 32) * 10 + 100
+    column = (1, 20, 1, 1)
+    expected = type(model).forward(model, (x - torch.tensor(mean).view(column)) / torch.tensor(std).view(column))
+    out = model(x)
+    torch.testing.assert_close(out, expected * torch.tensor(std).view(column) + torch.tensor(mean).view(column))
+    # The complex weight read in forward is differentiated through its stored real view; fused AdamW takes it.
+    out.pow(2).mean().backward()
+    real = model.spectral.weight.parametrizations.tensor.original0
+    assert real.grad is not None and real.grad.abs().max() > 0
+    torch.optim.AdamW(model.parameters(), lr=0.1, fused=True).step()
+    # A copy views its own parameter (copy.deepcopy refuses the view: models.copy_model).
+    copied = copy_model(model)
+    assert copied.spectral.weight.tensor.data_ptr() == copied.spectral.weight.parametrizations.tensor.original0.data_ptr()
+    assert copied.spectral.weight.tensor.data_ptr() != owner.tensor.data_ptr()
+    torch.testing.assert_close(copied(x), model(x))
+
+
+def test_the_units_of_a_model_without_a_plan_are_its_parts_none_holding_most_of_it():
+    """top_level_parts: the parts a model's forward calls, a container's (never called itself) in its place, and a
+    part with more than half of the parameters split into its own (as FSDP2 wants units: no gather of nearly all)."""
+    net = nn.Module()
+    net.stem = nn.Linear(8, 8)
+    net.big = nn.Sequential(nn.Linear(8, 64), nn.Linear(64, 64))  # 4,736 of the 4,880 parameters
+    net.layers = nn.ModuleList([nn.Linear(8, 8)])
+    assert top_level_parts(net) == [net.stem, net.big[0], net.big[1], net.layers[0]]
+    wrapped = nn.Sequential(nn.Sequential(net))  # down a chain of single parts
+    assert top_level_parts(wrapped) == top_level_parts(net)
+    with pytest.raises(ConfigError, match="the Linear has no unit"):  # nothing to checkpoint: one line
+        ac_units(nn.Linear(2, 2), "block")
+
+
+def mymodels_class(folder: Path, name: str):
+    sys.path.insert(0, str(folder))
+    try:
+        import mymodels
+        return getattr(mymodels, name)
+    finally:
+        sys.path.remove(str(folder))
+
+
+def test_a_model_without_a_spec_trains_on_every_task_whose_contract_it_meets(user_folder):
+    cube = config(user_folder, "cube", mean=[], std=[])  # task volume: no spec says otherwise (MONAI's UNet was refused)
+    assert config_spec(cube.model).tasks == ("sr", "forecast", "diagnostic", "volume")
+    volume = (torch.zeros(4, 16, 16, 16), torch.zeros(5, 16, 16, 16))
+    Volume.check_model(Volume.__new__(Volume), cube.model, volume)
+    flat = config(user_folder, "cube", mean=[], std=[], model_class="mymodels:Library",  # 2-D: what cannot work
+                  **{"model_args.in_channels": 4, "model_args.out_channels": 5})
+    with pytest.raises(ModelError, match=r"mymodels:Library cannot take a sample of task volume, shape \(batch, 4, 16, "
+                                         r"16, 16\): ") as info:
+        Volume.check_model(Volume.__new__(Volume), flat.model, volume)
+    assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="task volume trains on the stored .* leave mean, std, out_mean and out_std "
+                                          "empty"):
+        config(user_folder, "cube", mean=[0.0] * 4, std=[1.0] * 4)
+
+
+def test_what_cannot_work_is_one_line_also_under_launch_py(user_folder, volume_data, tmp_path):
+    """A model refused after the ranks have started (its contract, checked on a sample of the data) is the line of rank
+    0 alone: launch.py, the project's torchrun, leaves out torchrun's elastic traceback and its log lines."""
+    proc = run_script("launch.py", "--standalone", "--nproc-per-node", "2", "train_ddp.py", "--config_file",
+                      str(user_folder / "configs.yaml"), "--config", "cube", "--model_class", "mymodels:Library",
+                      "--model_args.in_channels", "4", "--model_args.out_channels", "5", "--data_dir",
+                      str(volume_data), "--run_dir", str(tmp_path / "run"), check=False)
+    said = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode == 2 and len(said) == 1, said
+    assert said[0].startswith("error: mymodels:Library cannot take a sample of task volume, shape (batch, 4, 32, 32, "
+                              "32): "), said
+
+
+def test_a_library_model_s_layouts_equal_one_process(user_folder, vit_data):
+    """DDP, FSDP2 and HSDP with activation checkpointing of its top-level parts, its complex weight gathered by FSDP2
+    and viewed afresh in each forward and recomputation: check_layouts.py's harness, as for the built-in models."""
+    code, rows = check_layouts("--config_file", str(user_folder / "configs.yaml"), "--config", "library", "--data_dir",
+                               str(vit_data), "--ac", "block", "--batch", "4", ranks=2)
+    ran = [row for row in rows if "passed" in row]
+    assert code == 0 and [row["layout"] for row in ran] == ["dp2 DDP", "dp2 FSDP", "dp2 HSDP(2 replicas)"], rows
+    for row in ran:
+        assert_layout_equal(row)
 
 
 def test_a_task_class_must_subclass_the_built_in_task(user_folder):
@@ -291,12 +449,16 @@ def test_a_task_declared_by_its_channels_trains_a_model_of_yours_on_a_forecast_b
                                  "diagnostic takes out_chans from target_channels; drop out_chans"], err
 
 
-def test_a_complex_weight_model_resumes_exactly_and_loads_into_its_own_class(user_folder, vit_data, tmp_path):
+@pytest.mark.parametrize("name, model_class, stored", [
+    ("mixer", "Spectral", "parametrizations.weights.original0"),
+    ("library", "Library", "spectral.weight.parametrizations.tensor.original0"),  # its class takes no subclass
+])
+def test_a_complex_weight_model_resumes_exactly_and_loads_into_its_own_class(user_folder, vit_data, tmp_path, name,
+                                                                             model_class, stored):
     """4 steps straight and 2 + 2 resumed end with the same bits; the checkpoint, its complex weights given back
     under their own names, loads into the model's class built without this project."""
-    from models import complex_state_dict
-    common = ["--config_file", str(user_folder / "configs.yaml"), "--config", "mixer", "--model_class",
-              "mymodels:Spectral", "--data_dir", str(vit_data), "--batch_size", "4", "--val_samples", "0",
+    common = ["--config_file", str(user_folder / "configs.yaml"), "--config", name, "--model_class",
+              f"mymodels:{model_class}", "--data_dir", str(vit_data), "--batch_size", "4", "--val_samples", "0",
               "--progress", "never"]
     run_script("train.py", *common, "--run_dir", str(tmp_path / "straight"), "--max_steps", "4", in_process=True)
     run_script("train.py", *common, "--run_dir", str(tmp_path / "resumed"), "--max_steps", "2", in_process=True)
@@ -304,18 +466,13 @@ def test_a_complex_weight_model_resumes_exactly_and_loads_into_its_own_class(use
                in_process=True)
     straight, resumed = (torch.load(tmp_path / run / "checkpoints" / "step_00000004.pt", weights_only=False)["model"]
                          for run in ("straight", "resumed"))
-    assert "parametrizations.weights.original0" in straight
+    assert stored in straight
     assert all(torch.equal(straight[k], resumed[k]) for k in straight) and straight.keys() == resumed.keys()
-    sys.path.insert(0, str(user_folder))
-    try:
-        import mymodels
-        own = mymodels.Spectral(20, [0.0] * 20, [1.0] * 20)
-    finally:
-        sys.path.remove(str(user_folder))
-    plain = complex_state_dict(straight)
-    own.load_state_dict(plain)
-    assert own.weights.is_complex() and torch.equal(torch.view_as_real(own.weights.detach()),
-                                                    straight["parametrizations.weights.original0"])
+    cls = mymodels_class(user_folder, model_class)
+    own = cls(20, [0.0] * 20, [1.0] * 20) if model_class == "Spectral" else cls(20, 20)
+    own.load_state_dict(complex_state_dict(straight))
+    weight = own.get_parameter(stored.replace(".original0", "").replace("parametrizations.", ""))
+    assert weight.is_complex() and torch.equal(torch.view_as_real(weight.detach()), straight[stored])
 
 
 DESCRIBED = '''

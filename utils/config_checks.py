@@ -155,7 +155,10 @@ def _validate_model(cfg) -> None:
 
 def _validate_volume(cfg) -> None:
     """Task volume trains on the stored (already scaled) fields with SC22's loss."""
-    t = cfg.train
+    t, m = cfg.train, cfg.model
+    if m.mean or m.std or m.out_mean or m.out_std:  # they would standardise a model that takes none (models/adapt.py)
+        raise ConfigError("task volume trains on the stored (already scaled) fields, which have no statistics: leave "
+                          "mean, std, out_mean and out_std empty")
     if t.lambda_rho < 0:
         raise ConfigError(f"lambda_rho must be >= 0, got {t.lambda_rho}")
     if t.loss != "l1" or t.loss_space != "physical":

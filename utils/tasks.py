@@ -30,7 +30,6 @@ first band's rank. A new task is one more class here and one branch in ``build_t
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -38,7 +37,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from models import ModelError, build_model, load_model_class, on_meta
+from models import ModelError, build_model, load_model_class, named_arguments, on_meta, units_inside
 from utils.config import ConfigError
 from utils.data.common import DataError, evenly_spaced
 from utils.data.era5 import ERA5Dataset, channel_sets, read_climatology
@@ -77,21 +76,24 @@ class Task:
     def check_model(self, model_cfg, sample: tuple[torch.Tensor, torch.Tensor],
                     probe: Optional[nn.Module] = None) -> None:
         """The model contract of this task, at build time, each breach one line (ModelError): a model fed physical
-        units takes ``mean`` and ``std``; a sample (input, target) of the data goes through the model to the target's
-        shape (channels only for a rank's band). ``probe``: ``model_cfg``'s model on the meta device (no memory, no
-        time, none of the real model's caches touched), which the scripts share with the FLOP count; None: built
-        here."""
+        units takes both ``mean`` and ``std``, or neither (then the project standardises around it:
+        models.units_inside), and, asked for other channels than it reads, ``out_mean`` and ``out_std`` too; a sample
+        (input, target) of the data goes through the model to the target's shape (channels only for a rank's band).
+        ``probe``: ``model_cfg``'s model on the meta device (no memory, no time, none of the real model's caches
+        touched), which the scripts share with the FLOP count; None: built here."""
         inputs, target = sample
         name = model_cfg.model_class
-        takes = set(inspect.signature(load_model_class(name, model_cfg.model_path)).parameters)
-        if self.physical_units and not {"mean", "std"} <= takes:
-            raise ModelError(f"{name} takes no mean and std, but task {self.name} gives it physical units (z500 ~5e4, "
-                             "t2m ~280): add mean and std arguments and normalise inside, as models/common.py's "
-                             "PhysicalUnitsModel does (docs/part4-your-model.md)")
-        if self.physical_units and self.other_outputs and not {"out_mean", "out_std"} <= takes:
-            raise ModelError(f"{name} takes no out_mean and out_std, but task {self.name} asks it for other channels "
-                             "than it reads, in their own units: add out_mean and out_std arguments and de-normalise "
-                             "its outputs with them (models/vit/network.py does; docs/part4-your-model.md)")
+        takes = named_arguments(model_cfg)
+        if self.physical_units and units_inside(takes):
+            wanted = ("mean", "std", *(("out_mean", "out_std") if self.other_outputs else ()))
+            missing = [n for n in wanted if n not in takes]
+            if missing:
+                raise ModelError(f"{name} takes {', '.join(n for n in wanted if n not in missing)} but not "
+                                 f"{', '.join(missing)}: task {self.name} gives it physical units (z500 ~5e4, t2m ~280) "
+                                 f"and wants {'other channels' if self.other_outputs else 'them'} back in their own "
+                                 "units; take all of them and normalise inside, as models/common.py's "
+                                 "PhysicalUnitsModel does, or none, and the project standardises around the model "
+                                 "(docs/part4-your-model.md)")
         model = (probe if probe is not None else on_meta(lambda: build_model(model_cfg))).eval()
         try:
             with torch.no_grad():

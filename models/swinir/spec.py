@@ -7,7 +7,8 @@ from typing import Optional
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from models.spec import FieldPlan, ModelPlan, ModelSpec, StagePlan, TensorParallelPlan, check_heads, register
+from models.spec import (FIELD_TASKS, FieldPlan, ModelPlan, ModelSpec, StagePlan, TensorParallelPlan, check_heads,
+                         register)
 
 from . import network
 from .network import SwinIR
@@ -67,6 +68,7 @@ SPEC = register(ModelSpec(
     name="swinir",
     build="models.swinir:build",
     memory="models.swinir.memory:SwinIRShape",
+    tasks=FIELD_TASKS,
     check=check,
     # Every LayerNorm, and the head after the body: the upsampler's convolutions, which write the output field.
     fp32_modules=("*norm*", "conv_before_upsample", "upsample", "conv_last", "conv_up1", "conv_up2", "conv_hr"),

@@ -16,15 +16,15 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from utils.checkpoint.state import (TrainState, capture_rng_state, check_model_settings, restore_rng_state,
-                                    strip_wrapper_prefixes)
+from utils.checkpoint.state import (TrainState, capture_rng_state, check_model_settings, model_state,
+                                    restore_rng_state, tensors_only)
 
 
 def checkpoint_payload(model, optimizer, scheduler, scaler, state: TrainState, cfg) -> dict:
     """A single-file checkpoint's contents: everything a resumed run needs; the model under its plain (unwrapped)
     parameter names."""
     return {
-        "model": strip_wrapper_prefixes(model.state_dict()),
+        "model": model_state(model),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "scaler": scaler.state_dict(),
@@ -63,7 +63,8 @@ def sharded_payload(model, optimizer, scheduler, scaler, state: TrainState, cfg=
     such a list once (rank 0's), so it must be the same on every rank; loading into any layout picks its own names
     from it. Collective over ``group``.
     """
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    weights, optimizer_state = get_state_dict(model, optimizer)
+    weights = tensors_only(weights)  # as the single files (a library's state_dict may hold more)
     if names is not None:
         groups = optimizer_state["param_groups"]
         gathered = [None] * dist.get_world_size(group)
@@ -73,7 +74,7 @@ def sharded_payload(model, optimizer, scheduler, scaler, state: TrainState, cfg=
             param_group["params"] = [name for name in names if name in held]
     rng = capture_rng_state()
     rng["cuda"] = tuple(rng.get("cuda", ()))
-    return {"model": model_state, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
+    return {"model": weights, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
             "scaler": scaler.state_dict(), "train_state": asdict(state), "rng": rng,
             "config": json.dumps(cfg.to_dict() if cfg is not None else {})}
 

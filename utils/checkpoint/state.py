@@ -99,6 +99,24 @@ def _as_python_random_state(saved) -> tuple:
     return (version, tuple(internal), gauss)
 
 
+def model_state(model) -> dict:
+    """The model's weights as a checkpoint holds them: under their plain names (:func:`strip_wrapper_prefixes`),
+    tensors only (:func:`tensors_only`)."""
+    return tensors_only(strip_wrapper_prefixes(model.state_dict()))
+
+
+def tensors_only(state_dict: dict) -> dict:
+    """``state_dict`` (a copy, in order) without the entries that are not tensors. A library's ``state_dict`` may add
+    some (neuraloperator's models: ``_metadata``, their constructor's arguments, a function among them), which a file
+    that loads with ``weights_only=True`` cannot hold, nor a DCP folder exported to one; the run's config holds the
+    model's arguments, and the library's ``load_state_dict`` goes without them."""
+    kept = collections.OrderedDict((k, v) for k, v in state_dict.items() if isinstance(v, torch.Tensor))
+    metadata = getattr(state_dict, "_metadata", None)  # the module versions load_state_dict reads
+    if metadata is not None:
+        kept._metadata = metadata
+    return kept
+
+
 def strip_wrapper_prefixes(state_dict: dict) -> dict:
     """A copy of ``state_dict`` with the key components that wrappers add removed.
 

@@ -116,10 +116,11 @@ def _model_tensors(model: nn.Module) -> list[torch.Tensor]:
 
 
 def with_statistics(cfg: Config) -> Config:
-    """The config with mean/std 0 and 1 where it leaves them to the data's statistics (the ViT's):
-    the same tensors are saved whatever the values."""
+    """The config with mean/std 0 and 1 where it leaves them to the data's statistics (a field task's: the ViT's, or
+    a model's standardised by the project, models.units_inside): the same tensors are saved whatever the values.
+    Task volume's stored fields have no statistics."""
     m, filled = cfg.model, {}
-    if not m.mean:
+    if not m.mean and cfg.data.task != "volume":
         filled.update(mean=[0.0] * m.in_chans, std=[1.0] * m.in_chans)
     if cfg.data.task == "diagnostic" and not m.out_mean:  # the outputs are other channels: their own statistics
         filled.update(out_mean=[0.0] * cfg.target_chans, out_std=[1.0] * cfg.target_chans)

@@ -77,7 +77,6 @@ any model.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import itertools
 import time
@@ -92,6 +91,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from models import copy_model
 from utils.config import Config, ConfigError
 from utils.memory.estimate import GB, MemoryEstimate
 from utils.memory.measure import (SavedTensorBytes, batch_shapes, forward_and_loss, fresh_model_caches, loss_for,
@@ -164,7 +164,7 @@ def fake_copy(model: nn.Module, device: Union[str, torch.device] = "cpu") -> nn.
     for tensor in itertools.chain(model.parameters(), model.buffers()):
         fake = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
         memo[id(tensor)] = nn.Parameter(fake, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else fake
-    return copy.deepcopy(model, memo)
+    return copy_model(model, memo)  # (its complex parameters' views made afresh: models/adapt.py)
 
 
 def _stand_in_for_ddp(model: nn.Module, bucket_view: bool) -> list[torch.Tensor]:

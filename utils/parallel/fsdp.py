@@ -23,7 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from utils.config import ConfigError
 from utils.parallel.distributed import ensure_process_group
-from utils.parallel.plans import ac_units, model_plan
+from utils.parallel.plans import ac_units
 from utils.parallel.versions import average_fsdp_gradients
 from utils.precision import DTYPES
 
@@ -89,7 +89,7 @@ def apply_fsdp(model: nn.Module, cfg, device: torch.device, mesh: Optional[Devic
                           "dp x cp ranks; use --hsdp_replicas 1")
     mesh = build_mesh(d.hsdp_replicas, device) if mesh is None else mesh
     reshard = d.reshard_after_forward if reshard_after_forward is None else reshard_after_forward
-    for unit in ac_units(model, d.fsdp_unit) if model_plan(model).units else []:  # without units: the root alone
+    for unit in ac_units(model, d.fsdp_unit, required=False):  # without units: the root alone
         fully_shard(unit, mesh=mesh, mp_policy=mixed_precision(d), reshard_after_forward=reshard)
         average_fsdp_gradients(unit, mesh)  # gloo before torch 2.9 sums them
     # Root: reshard_after_forward left to FSDP (False for the root: backward needs its weights first).

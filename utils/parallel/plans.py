@@ -52,15 +52,18 @@ def missing_plan(model: nn.Module, what: str, flag: str) -> ConfigError:
                        f"(register_plan({name}, ModelPlan(...)): utils/parallel/plans.py, docs/part4-your-model.md)")
 
 
-def ac_units(model: nn.Module, unit: str) -> list[nn.Module]:
-    """The modules a technique wraps one by one (AC, FSDP2): unit "block" or "layer" of the model's row."""
+def ac_units(model: nn.Module, unit: str, required: bool = True) -> list[nn.Module]:
+    """The modules a technique wraps one by one (AC, FSDP2): unit "block" or "layer" of the model's row. ``required``:
+    a model without units refuses in one line (AC has nothing to checkpoint); else it has none (FSDP2 and compile
+    then take the model whole)."""
     if unit not in UNITS:
         raise ValueError(f"unit must be 'block' or 'layer', got {unit!r}")
     units = model_plan(model).units
-    if not units:
-        raise missing_plan(model, "unit (blocks() returning its repeated layers, or a plan with units)", "--ac none")
-    if unit not in units:
+    found = list(units[unit](model)) if unit in units else []
+    if units and unit not in units:
         name, have = type(model).__name__, " and ".join(f"{u}s" for u in units)
         fix = " / ".join(f"--ac {u} / --fsdp_unit {u}" for u in units)
         raise ConfigError(f"unit {unit!r} is not one of the {name}'s units: the {name} has {have} only: use {fix}")
-    return list(units[unit](model))
+    if not found and required:  # no plan with units, or a default plan that found no parts with parameters
+        raise missing_plan(model, "unit (blocks() returning its repeated layers, or a plan with units)", "--ac none")
+    return found

@@ -22,7 +22,7 @@ from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.nn.parallel import DistributedDataParallel
 
 from utils.config import ConfigError
-from utils.parallel.plans import ac_units, model_plan
+from utils.parallel.plans import ac_units
 
 
 def apply_ac(model: nn.Module, mode: str) -> nn.Module:
@@ -62,7 +62,7 @@ def apply_compile(model: nn.Module, enabled: bool, backend: str = "inductor", cu
     if cuda_graphs and not on_cuda(model):
         raise ConfigError("cuda_graphs records CUDA kernels; this model is not on a CUDA device: drop --cuda_graphs "
                           "(or run on a GPU)")
-    blocks = ac_units(model, "block") if model_plan(model).units else [model]  # no units: the model as one
+    blocks = ac_units(model, "block", required=False) or [model]  # no units: the model as one
     # Each block may differ (SwinIR's shift, a drop-path rate, the U-Net's widths) and compile once more for
     # validation (no_grad) and, under autocast, for an fp32 and a low-precision input: a limit per block.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(blocks))
