@@ -241,6 +241,34 @@ def run_then_resume(root: Path, single: Path, script: str, args: Callable[..., l
     return runs
 
 
+_PYTEST_PID = os.getpid()
+_REAL_EXIT = os._exit
+
+
+def _exit_as_system_exit(code: int = 0):
+    """os._exit for a script run in this process: SystemExit, so that a script that skips the interpreter's shutdown
+    (utils.training.exit_process) does not end pytest itself — with that script's exit code, 0 after a check that
+    passed, which CI would read as a whole suite passed. A forked child (a DataLoader worker) still exits for real."""
+    if os.getpid() != _PYTEST_PID:
+        _REAL_EXIT(code)
+    raise SystemExit(code)
+
+
+def in_this_process():
+    """The context in which a script runs as __main__ in this process: os._exit raises SystemExit."""
+    return mock.patch.object(os, "_exit", _exit_as_system_exit)
+
+
+@pytest.fixture(autouse=True)
+def _no_joined_job_left_behind():
+    """A script run in this process with one rank joins a process group of its own (init_distributed), which marks
+    the process as a rank of a job: every later script would then end with os._exit. Each test starts unmarked."""
+    yield
+    from utils.parallel import distributed
+
+    distributed._joined_job = False
+
+
 def run_script(*args: str, timeout: float = 240, env_extra: dict | None = None, check: bool = True,
                launcher: list[str] | None = None, ranks: int = 0, in_process: bool = False) -> subprocess.CompletedProcess:
     """Run a project script (e.g. "train.py", "--config", ...) in a fresh interpreter from the repo root.
@@ -285,7 +313,7 @@ def exit_in_one_process(capsys, script: str, *args: str) -> tuple[int | str | No
     """``python SCRIPT ARGS`` in this process (no torchrun: 1 rank), as tests/test_script_invariants.py runs the
     scripts, for a command line that must stop (SystemExit): its exit code and the lines of its stderr. The
     one-rank process group it may have started is destroyed whatever happens: later tests start without one."""
-    with mock.patch.object(sys, "argv", [script, *args]):
+    with mock.patch.object(sys, "argv", [script, *args]), in_this_process():
         try:
             with pytest.raises(SystemExit) as exit_info:
                 runpy.run_path(str(REPO / script), run_name="__main__")
@@ -306,7 +334,7 @@ def _run_in_process(args: list[str]) -> subprocess.CompletedProcess:
     os.chdir(REPO)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
-                mock.patch.object(sys, "argv", list(args)):
+                mock.patch.object(sys, "argv", list(args)), in_this_process():
             runpy.run_path(str(REPO / args[0]), run_name="__main__")
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)

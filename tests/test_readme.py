@@ -41,7 +41,7 @@ from unittest import mock
 import pytest
 
 from tests import page_outputs
-from tests.conftest import REPO, TINY_MODEL
+from tests.conftest import REPO, TINY_MODEL, in_this_process
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "datasets" / "README.md"]
 
@@ -331,7 +331,8 @@ def run_in_process(argv: list[str]) -> tuple[int, str]:
     """`python SCRIPT ARGS` or `python -m MODULE ARGS` as __main__ in this process."""
     buffer = io.StringIO()
     code = 0
-    with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer), warnings.catch_warnings():
+    with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer), warnings.catch_warnings(), \
+            in_this_process():
         warnings.simplefilter("ignore", RuntimeWarning)  # runpy: "found in sys.modules" for -m utils.*
         try:
             if argv[0] == "-m":

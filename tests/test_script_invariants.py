@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import REPO, tiny_args
+from tests.conftest import REPO, in_this_process, tiny_args
 from utils import training
 from utils.data.common import ResumableDistributedSampler
 from utils.parallel.pipeline_parallel import Pipeline
@@ -48,7 +48,7 @@ def test_step_order_and_epochs(script, tiny_data, tmp_path, monkeypatch, capsys)
     # 8 steps per epoch: 10 steps run two epochs. Profiling off: its throughput breakdown trains more steps.
     monkeypatch.setattr(sys, "argv", [script, *tiny_args(tiny_data, tmp_path / "run", "--max_steps", "10",
                                                          "--profile", "false")])
-    with pytest.raises(SystemExit) as exit_info:
+    with pytest.raises(SystemExit) as exit_info, in_this_process():
         runpy.run_path(str(REPO / script), run_name="__main__")
     assert exit_info.value.code in (0, None)
     # Without torchrun a distributed script trains on one process: it must say so, not pass silently.
