@@ -111,14 +111,7 @@ def seconds_in_ops(step, op_names, device: torch.device, steps: int = 3) -> dict
 
     CPU: wall time inside the op; CUDA: time of the kernels it launched.
     """
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(steps):
-            step()
-        synchronize(device)
-    events = {event.key: event for event in prof.key_averages()}
+    events = {event.key: event for event in roofline.profiled_ops(step, device, steps)}
     seconds = {}
     for name in op_names:
         event = events.get(name.replace(".", "::", 1))  # FlopCounterMode's "aten.mm" is the profiler's "aten::mm"

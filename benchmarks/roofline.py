@@ -89,8 +89,8 @@ def bytes_by_op(step: Callable[[], None]) -> dict[str, int]:
     return dict(mode.bytes)
 
 
-def self_seconds_by_op(step: Callable[[], None], device: torch.device, steps: int = 3) -> dict[str, float]:
-    """Seconds per step of the kernels each op launched itself (CPU: the op's own CPU time), by op ("aten.mm")."""
+def profiled_ops(step: Callable[[], None], device: torch.device, steps: int = 3) -> list:
+    """torch.profiler's per-op averages over ``steps`` calls of ``step`` (with the device's kernels on CUDA)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -99,8 +99,13 @@ def self_seconds_by_op(step: Callable[[], None], device: torch.device, steps: in
             step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+    return prof.key_averages()
+
+
+def self_seconds_by_op(step: Callable[[], None], device: torch.device, steps: int = 3) -> dict[str, float]:
+    """Seconds per step of the kernels each op launched itself (CPU: the op's own CPU time), by op ("aten.mm")."""
     seconds: dict[str, float] = defaultdict(float)
-    for event in prof.key_averages():
+    for event in profiled_ops(step, device, steps):
         micros = event.self_device_time_total if device.type == "cuda" else event.self_cpu_time_total
         if micros and event.key.startswith("aten::"):
             seconds[event.key.replace("::", ".", 1)] += micros / 1e6 / steps
