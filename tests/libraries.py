@@ -42,7 +42,7 @@ from tests.smoke import (REPO, Smoke, add_arguments, error, failed, print_list, 
 PINS = REPO / "requirements-libraries.txt"
 CONFIGS = "tests/libraries/libraries.yaml"
 JOBS = 2  # commands at a time: CI's 2 cores (most of a command's time is one core importing torch and a library)
-TIMEOUT_S = 300  # per command; the slowest (check_layouts.py: three layouts) took 20 s on 2 busy cores
+TIMEOUT_S = 300  # per command; the slowest (check_layouts.py: three layouts) took 20 to 45 s on 2 busy cores
 IMPORTS = {"monai": "monai", "neuraloperator": "neuralop", "segmentation-models-pytorch": "segmentation_models_pytorch"}
 """The libraries (their names in requirements-libraries.txt) and the modules they install."""
 STAMP = ".installed-libraries"  # in the virtualenv: what it was made from (pins, lock, the environment under it)
