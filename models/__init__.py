@@ -14,8 +14,8 @@ with the keyword arguments it names among:
 
 Then it checks what the techniques rely on: an ``nn.Module``, whose complex parameters (a spectral layer's weights,
 as neuraloperator stores them) it stores as their real view, since fused AdamW, FSDP2 and DCP refuse complex ones
-(:func:`store_complex_as_real`; models/adapt.py, which changes no class of the model). Every breach is one line (:class:`ModelError`, exit code 2 in the scripts), not a
-traceback.
+(:func:`store_complex_as_real`: models/adapt.py, which changes no class of the model). Every breach is one line
+(:class:`ModelError`, exit code 2 in the scripts), not a traceback.
 """
 
 from __future__ import annotations

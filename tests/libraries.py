@@ -42,7 +42,7 @@ from tests.smoke import (REPO, Smoke, add_arguments, error, failed, print_list, 
 PINS = REPO / "requirements-libraries.txt"
 CONFIGS = "tests/libraries/libraries.yaml"
 JOBS = 2  # commands at a time: CI's 2 cores (most of a command's time is one core importing torch and a library)
-TIMEOUT_S = 300  # per command; the slowest (check_layouts.py: three layouts) took 20 s on 2 busy cores
+TIMEOUT_S = 300  # per command; the slowest (check_layouts.py: three layouts) took 20 to 45 s on 2 busy cores
 IMPORTS = {"monai": "monai", "neuraloperator": "neuralop", "segmentation-models-pytorch": "segmentation_models_pytorch"}
 """The libraries (their names in requirements-libraries.txt) and the modules they install."""
 STAMP = ".installed-libraries"  # in the virtualenv: what it was made from (pins, lock, the environment under it)
@@ -131,12 +131,16 @@ def ensure_venv(venv: Path, base: Optional[Path] = None) -> Path:
     if not (python.exists() and (venv / STAMP).is_file() and (venv / STAMP).read_text() == made_from):
         print(f"installing {', '.join(IMPORTS)} into {venv} over {base} (its torch is not installed again)",
               flush=True)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                 capture_output=True, text=True, check=True).stdout.strip()
-        (Path(purelib) / "_project_environment.pth").write_text(f"{base}\n")  # after the venv's own packages
-        subprocess.run([str(python), "-m", "pip", "install", "--quiet", "-r", str(PINS), "-c",
-                        str(REPO / "constraints.txt")], check=True)
+        try:
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+            purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                     capture_output=True, text=True, check=True).stdout.strip()
+            (Path(purelib) / "_project_environment.pth").write_text(f"{base}\n")  # after the venv's own packages
+            subprocess.run([str(python), "-m", "pip", "install", "--quiet", "-r", str(PINS), "-c",
+                            str(REPO / "constraints.txt")], check=True)
+        except subprocess.CalledProcessError as failed:
+            raise SystemExit(f"error: could not make {venv} ({' '.join(map(str, failed.cmd[:4]))}... exited "
+                             f"{failed.returncode}, its reason above): check the network to PyPI, or remove it")
         (venv / STAMP).write_text(made_from)
     found = probe(python)
     if found.returncode:
