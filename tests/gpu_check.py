@@ -71,7 +71,7 @@ SHRINK = dict(
     full_size=["--steps", "1", "--lr_size", "16x32", "--", *TINY_SWINIR],
     vit=["--steps", "1", "--config", "vit_quickstart", "--batch", "2", "--", "--img_size", "[16, 32]",
          "--model_args", "{patch_size: 4, embed_dim: 16, depths: [1], num_heads: [2]}"],
-    bench=["--config", "quickstart", "--size", "16", "--batch_size", "1", "--dtype", "fp32", "--steps", "1",
+    bench=["--config", "quickstart", "--size", "16", "--batch_size", "1", "--dtype", "fp32", "--steps", "3",
            "--warmup", "0", "--peak_seconds", "0.02", "--peak_sizes", "256"],
     train=["--config", "quickstart", *TINY_SWINIR, "--img_size", "16"],
     # tests/test_profiling.py checks the CPU memory timeline; here its export would be a third of the dry run
@@ -139,6 +139,10 @@ class Check:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "MPLBACKEND": "Agg"}
         if self.mode == "tiny":
             env["CUDA_VISIBLE_DEVICES"] = ""  # the dry run is the same on any machine
+        if self.args.jobs > 1:
+            # Items side by side, each with a thread per core, oversubscribe the CPU: OpenMP's spinning threads
+            # then slowed bench_model.py's reference matmuls up to 20x and no other step (its MFU read 2.08).
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.args.jobs))
         start = time.monotonic()
         with open(log, "w") as out:
             child = subprocess.Popen([sys.executable, *item.argv], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
