@@ -133,6 +133,10 @@ class ModelSpec:
     spectral layers (FFTs of a model of one's own). A pattern may match nothing in one configuration of the model."""
     fresh_caches: Optional[Callable[[], None]] = None
     """Empties what the model's module caches between calls (a memory measurement starts from nothing)."""
+    flat_keys: tuple[str, ...] = ()
+    """A built-in model's arguments that older versions took as flat config keys (``embed_dim: 16`` beside ``lr``):
+    the configs and checkpoints that still hold them are read as its model_args (utils/config.py: fold_old_keys).
+    Named here, not derived from the builder, so that a new argument never becomes one."""
 
     def memory_description(self) -> Optional[type]:
         """The memory description's class, imported if it is named by path."""
@@ -234,6 +238,11 @@ def built_in(name: str) -> ModelSpec:
     """The spec of the built-in model ``name`` (its folder imported: it registers itself)."""
     importlib.import_module(f"models.{name}")
     return _BY_NAME[name]
+
+
+def old_flat_keys() -> frozenset[str]:
+    """Every built-in model's :attr:`ModelSpec.flat_keys` (an old config's keys do not say which model they were for)."""
+    return frozenset(key for name in built_in_names() for key in built_in(name).flat_keys)
 
 
 def check_heads(cfg) -> None:

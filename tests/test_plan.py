@@ -141,8 +141,8 @@ def test_this_machines_efficiency_is_the_configs_own_step(tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("name, overrides", [
-    ("vit_quickstart", {"num_heads": [2], "depths": [4]}),
-    ("quickstart", {"depths": [1, 1, 1, 1], "num_heads": [2, 2, 2, 2], "batch_size": 8}),
+    ("vit_quickstart", {"model_args.num_heads": [2], "model_args.depths": [4]}),
+    ("quickstart", {"model_args.depths": [1, 1, 1, 1], "model_args.num_heads": [2, 2, 2, 2], "batch_size": 8}),
     ("unet3d_quickstart", {}),
 ])
 def test_every_layout_respects_what_the_scripts_check(name, overrides):
@@ -189,8 +189,9 @@ MP_RECORDS = {(): (7.72, 72.91), ("fsdp",): (4.39, 36.45), ("tp",): (4.48, 42.40
 
 @pytest.mark.parametrize("schedule, microbatches", list(PP_RECORDS))
 def test_pipeline_activations_per_schedule_as_recorded(schedule, microbatches):
-    cfg = build_config("quickstart", {"depths": [1, 1, 1, 1], "num_heads": [2, 2, 2, 2], "batch_size": 8, "pp": 2,
-                                      "pp_schedule": schedule, "pp_microbatches": microbatches, "device": "cpu"})
+    cfg = build_config("quickstart", {"model_args": {"depths": [1, 1, 1, 1], "num_heads": [2, 2, 2, 2]},
+                                      "batch_size": 8, "pp": 2, "pp_schedule": schedule,
+                                      "pp_microbatches": microbatches, "device": "cpu"})
     estimate = estimate_memory(cfg, 2, "fsdp", field=(180, 360))
     largest = max(r["activations_gb"] for r in estimate.setting["pp_ranks"]) * 1e3
     assert largest == pytest.approx(PP_RECORDS[schedule, microbatches], rel=0.10)

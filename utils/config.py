@@ -10,7 +10,7 @@ merge key (``<<: *base``), as in NERSC's tutorials. A script does::
 and gets a :class:`Config` whose sections (``cfg.data``, ``cfg.model``, ``cfg.train``,
 ``cfg.dist``, ``cfg.profile``, ``cfg.ensemble``) are dataclasses with one documented field per key. Keys are
 unique across sections, so the command line and the YAML stay flat: ``--batch_size 4``; a model's argument is
-``--model_args.embed_dim 16``.
+``--model_args.NAME VALUE``.
 Unknown keys, unknown config names and values of the wrong type are errors that say what is valid.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import inspect
 import json
 import math
@@ -33,12 +34,12 @@ from typing import Any, Literal, Optional
 import yaml
 
 from utils.cli import OneLineParser
-from utils.config_checks import take_channel_sets, validate
-from utils.config_files import (CONFIG_DIR, MOVED_TO_MODEL_ARGS, ConfigError, fold_moved_keys, load_named_configs,
+from utils.config_checks import built_in_flat_keys, take_channel_sets, validate
+from utils.config_files import (CONFIG_DIR, BASE_KEY, ConfigError, fold_into_model_args, load_named_configs,
                                 named_config, names_another_model)
 
 # Where configs come from (utils/config_files.py) and their value checks (utils/config_checks.py), for importers:
-__all__ = ["CONFIG_DIR", "MOVED_TO_MODEL_ARGS", "ConfigError", "fold_moved_keys", "load_named_configs", "validate"]
+__all__ = ["CONFIG_DIR", "ConfigError", "load_named_configs", "validate"]
 
 
 @dataclass
@@ -116,8 +117,8 @@ class ModelConfig:
     """Folder that holds model_class's module, if it is not on PYTHONPATH (default: the folder of --config_file);
     kept in checkpoints, so that rollout.py and a resume find the model again."""
     model_args: dict[str, Any] = field(default_factory=dict)
-    """The model's own arguments, a built-in model's (embed_dim, depths, ...: its builder's, e.g. models/swinir/
-    network.py build) as yours: --model_args.NAME VALUE sets one; the config holds every one, its builder's defaults
+    """The model's own arguments, a built-in model's (its builder's, e.g. models/swinir/network.py build) as
+    yours: --model_args.NAME VALUE sets one; the config holds every one, its builder's defaults
     filled in. The data's (in_chans, out_chans, img_size, upscale, mean, std) come by name, not through here."""
     upscale: int = 2
     """SwinIR: super-resolution factor; the data's low-res input is the high-res field downsampled by it."""
@@ -336,7 +337,7 @@ class Config:
     stated: frozenset = frozenset()
     """Keys set on the command line: what the data may not replace (utils/data/era5.py's resolve_from_data)."""
     moved: frozenset = frozenset()
-    """Model arguments given by their old flat keys (:func:`fold_moved_keys`): a model that does not take one drops
+    """Model arguments given by their old flat keys (:func:`fold_old_keys`): a model that does not take one drops
     it, as every model but the built-in ones ignored those keys."""
 
     @property
@@ -456,11 +457,12 @@ def build_config(name: str, overrides: Optional[dict[str, Any]] = None, path: Op
     """
     moved: set[str] = set()  # the model arguments given by their old flat keys
     origin: dict[str, int] = {}  # where each key was said: deeper is later (named_config), the command line last
-    values = {**(script_defaults or {}), **named_config(name, path, moved, origin)}
+    values = {**(script_defaults or {}),
+              **named_config(name, path, functools.partial(fold_old_keys, moved=moved), origin)}
     overrides = dict(overrides or {})
     if isinstance(overrides.get("model_args"), str):  # a command line's mapping, as text
         overrides["model_args"] = _parse_value(overrides["model_args"])
-    overrides = fold_moved_keys(overrides, moved)
+    overrides = fold_old_keys(overrides, moved)
     args = [values.get("model_args") or {} if not names_another_model(values, overrides) else {},
             overrides.pop("model_args", None) or {}]  # another model named here: its own arguments only
     if not all(isinstance(a, dict) for a in args):
@@ -487,6 +489,18 @@ def build_config(name: str, overrides: Optional[dict[str, Any]] = None, path: Op
     take_channel_sets(cfg, origin)
     validate(cfg)
     return cfg
+
+
+def fold_old_keys(values: dict[str, Any], moved: Optional[set[str]] = None) -> dict[str, Any]:
+    """``values`` (a config's own keys, overrides, an older checkpoint's config) with the old flat keys of a built-in
+    model's arguments moved under model_args, said once (utils/config_files.py: fold_into_model_args); each model's
+    spec names its own (models/spec.py: ``flat_keys``), read only when a key is no config key. ``moved`` collects
+    them."""
+    strangers = [k for k in values if k not in KEYS and k not in ("config", BASE_KEY) and not k.startswith("model_args.")]
+    names = [k for k in strangers if k in built_in_flat_keys()] if strangers else []
+    if moved is not None:
+        moved.update(names)
+    return fold_into_model_args(values, names)
 
 
 # Keys that only some scripts apply, declared once here: any other script refuses them set away from their defaults,
@@ -552,9 +566,6 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
             flag = {"nargs": "?", "const": True} if bool in (hints[f.name], *typing.get_args(hints[f.name])) else {}
             group.add_argument(f"--{f.name}", dest=f"cfg__{f.name}", metavar="V", default=argparse.SUPPRESS,
                                type=_parse_value, help=docs.get(f.name, ""), **flag)
-    for key in MOVED_TO_MODEL_ARGS:  # the old flags still read (build_config says where they moved)
-        parser.add_argument(f"--{key}", dest=f"cfg__{key}", default=argparse.SUPPRESS, type=_parse_value,
-                            help=argparse.SUPPRESS)
 
 
 def config_from_args(args: argparse.Namespace, script_defaults: Optional[dict[str, Any]] = None) -> Config:
@@ -603,6 +614,10 @@ def parse_config(description: str = "", argv: Optional[list[str]] = None, extra_
             parser.error(f"{name} needs a value")
         setattr(args, f"cfg__{name[2:]}", _parse_value(value or rest.pop(0)))
     if rest:
+        old = rest[0][2:].partition("=")[0] if rest[0].startswith("--") else ""
+        if old and old not in KEYS and old in built_in_flat_keys():  # the flag of an older version
+            parser.error(f"--{old} is a model argument now: write --model_args.{old} VALUE (in a config: model_args: "
+                         f"{{{old}: VALUE}})")
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         cfg = config_from_args(args, script_defaults)

@@ -2,7 +2,7 @@
 :func:`validate`); checks against the data are utils.data.era5.resolve_from_data's.
 
 Every model's arguments (``model_args``) are checked against its builder's signature here, and by its spec's own
-check (the built-in models': heads that divide embed_dim, ...); the model contract is checked when it is built.
+check (the built-in models': heads that divide their width, ...); the model contract is checked when it is built.
 """
 
 from __future__ import annotations
@@ -121,6 +121,12 @@ def _validate_model_class(m) -> None:
                           f"model a name of its own (e.g. model: {m.model_class.split(':')[-1].lower()})")
     if m.model_class.count(":") != 1 or not all(m.model_class.split(":")):
         raise ConfigError(f"model_class must be module:Class (e.g. fno:FNO2d), got {m.model_class!r}")
+
+
+def built_in_flat_keys() -> frozenset[str]:
+    """The old flat config keys of the built-in models' arguments, as their specs name them."""
+    from models.spec import old_flat_keys  # noqa: PLC0415 (imports every built-in model's folder, torch with it)
+    return old_flat_keys()
 
 
 def _built_in_spec(name: str):

@@ -40,7 +40,7 @@ def band_rows(rows: int, cp: int) -> list[int]:
     """Token rows per cp rank: as even as possible, the larger bands first (45 over 2 -> [23, 22])."""
     if cp > rows:
         raise ConfigError(f"cp {cp} is larger than the {rows} rows of patch tokens: each cp rank needs at least "
-                          f"one row; use --cp {rows} or fewer (or a smaller patch_size)")
+                          f"one row; use --cp {rows} or fewer (or smaller patches)")
     return [rows // cp + (r < rows % cp) for r in range(cp)]
 
 

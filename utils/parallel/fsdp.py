@@ -74,7 +74,7 @@ def apply_fsdp(model: nn.Module, cfg, device: torch.device, mesh: Optional[Devic
     several microbatches' forwards before their backwards).
 
     Units are sharded first so that each unit's parameters are gathered just before it runs and
-    freed after; the root then owns what is left (convolutions, norms, upsampler). The model must
+    freed after; the root then owns what is left (convolutions, norms, the head). The model must
     be initialised identically on every rank (same seed): fully_shard does not broadcast, it keeps
     each rank's slice of its own copy.
 

@@ -91,7 +91,7 @@ def check_pipeline(cfg, pp: int, replica_batch: int, n_units: int, units_name: s
     if n_stages > n_units:
         raise ConfigError(f"{n_stages} pipeline stages (pp {pp} x {STAGES_PER_RANK[d.pp_schedule]} for "
                           f"{d.pp_schedule}) but the {units_name} are only {n_units} units to cut: "
-                          "use a smaller pp, or a deeper model (SwinIR: more RSTBs in --model_args.depths)")
+                          "use a smaller pp, or a model of more units (its --model_args)")
     if d.pp_split and (len(d.pp_split) != n_stages or sum(d.pp_split) != n_units):
         raise ConfigError(f"pp_split {d.pp_split} must give units for each of the {n_stages} stages, {n_units} in all")
     return n_stages

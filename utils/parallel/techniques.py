@@ -63,7 +63,7 @@ def apply_compile(model: nn.Module, enabled: bool, backend: str = "inductor", cu
         raise ConfigError("cuda_graphs records CUDA kernels; this model is not on a CUDA device: drop --cuda_graphs "
                           "(or run on a GPU)")
     blocks = ac_units(model, "block", required=False) or [model]  # no units: the model as one
-    # Each block may differ (SwinIR's shift, a drop-path rate, the U-Net's widths) and compile once more for
+    # Each block may differ (a shifted window, a drop-path rate, a level's width) and compile once more for
     # validation (no_grad) and, under autocast, for an fp32 and a low-precision input: a limit per block.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(blocks))
     for block in blocks:

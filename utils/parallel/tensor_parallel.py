@@ -63,10 +63,10 @@ def _heads_of_this_rank(attn: nn.Module, mesh) -> None:
         relative_position_index=attn.relative_position_index))
 
 
-def check_heads(num_heads: int, tp: int) -> None:
-    if num_heads % tp:
-        raise ConfigError(f"num_heads {num_heads} is not divisible by tp {tp}: each tp rank holds whole heads; "
-                          f"use a tp that divides {num_heads}")
+def check_heads(heads: int, tp: int) -> None:
+    if heads % tp:
+        raise ConfigError(f"{heads} attention heads are not divisible by tp {tp}: each tp rank holds whole heads; "
+                          f"use a tp that divides {heads}")
 
 
 def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
