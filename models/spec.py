@@ -247,7 +247,7 @@ def old_flat_keys() -> frozenset[str]:
 
 def check_heads(cfg) -> None:
     """The checks of a transformer's embed_dim, depths and num_heads arguments (SwinIR's and the ViT's), for their
-    specs (the config's model_args hold every argument by then: models.model_arguments)."""
+    specs (the config's model_args hold every argument by then: models.ResolvedModel.arguments)."""
     a = cfg.model.model_args
     depths, heads, dim = a["depths"], a["num_heads"], a["embed_dim"]
     if not dim > 0:
