@@ -177,6 +177,17 @@ def test_keys_at_their_defaults_pass_and_the_table_names_real_keys_and_scripts()
         assert parse_config("", [], script_defaults={"profile": True}).profile.profile is True
 
 
+def test_each_technique_declares_its_keys_beside_it():
+    # utils/config.py reads each file's APPLIED_BY from its text (the ground floor imports no technique): what it reads
+    # is what the file, imported, holds.
+    from utils.parallel import fsdp, pipeline_parallel, tensor_parallel  # noqa: PLC0415 (torch: this test only)
+
+    assert APPLIED_BY["tp"] == ("train_mp.py", "estimate_memory.py") == tensor_parallel.APPLIED_BY["tp"]
+    assert APPLIED_BY["hsdp_replicas"] == fsdp.APPLIED_BY["hsdp_replicas"] == ("train_fsdp.py", "estimate_memory.py")
+    assert all(APPLIED_BY[key] == ("train_pp.py",) for key in ("pp_split", "pp_dp"))
+    assert ("pp_split", "pp_dp") in pipeline_parallel.APPLIED_BY and APPLIED_BY["profile"] == ("train_with_profiling.py",)
+
+
 @pytest.mark.parametrize("layout, said", [(["--cp", "4"], "each field in 4 bands (cp)"),
                                           (["--tp", "2"], "each block split over 2 ranks (tp)"),
                                           (["--pp", "2", "--pp_microbatches", "4"],

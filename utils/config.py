@@ -503,27 +503,33 @@ def fold_old_keys(values: dict[str, Any], moved: Optional[set[str]] = None) -> d
     return fold_into_model_args(values, names)
 
 
-# Keys that only some scripts apply, declared once here: any other script refuses them set away from their defaults,
-# since a user who asks train.py for --tp 2 would otherwise get one device without a sign. Every key not listed is
-# applied by every script that reads a config; scripts not in CHECKED_SCRIPTS (benchmarks) pass keys on to these.
-_DDP, _FSDP, _MP, _PP, _ESTIMATE = "train_ddp.py", "train_fsdp.py", "train_mp.py", "train_pp.py", "estimate_memory.py"
-APPLIED_BY: dict[str, tuple[str, ...]] = {
-    **dict.fromkeys(["bucket_cap_mb", "broadcast_buffers", "static_graph", "no_ddp"], (_DDP,)),
-    "gradient_as_bucket_view": (_DDP, _ESTIMATE),
-    **dict.fromkeys(["fsdp_unit", "param_dtype", "reduce_dtype"], (_FSDP, _MP, _PP, _ESTIMATE)),
-    "reshard_after_forward": (_FSDP, _MP, _ESTIMATE),  # train_pp.py keeps parameters gathered through a step
-    "hsdp_replicas": (_FSDP, _ESTIMATE),  # train_mp.py and train_pp.py shard over their own dp meshes
-    "tp": (_MP, _ESTIMATE), "parallel_order": (_MP,),
-    "cp": (_MP, _ESTIMATE),
-    **dict.fromkeys(["pp", "pp_schedule", "pp_microbatches"], (_PP, _ESTIMATE)),
-    **dict.fromkeys(["pp_split", "pp_dp"], (_PP,)),
-    "dist_timeout_s": (_DDP, _FSDP, _MP, _PP),
-    "ckpt_async": (_FSDP, _MP, _PP),
-    # The estimate traces autocast's dtypes per operation, not the kept parts' fp32 activations: it refuses them.
-    **dict.fromkeys(["keep_fp32", "fp32_modules"], ("train.py", "train_with_profiling.py", _DDP, _FSDP, _MP, _PP)),
-    **dict.fromkeys([f.name for f in dataclasses.fields(ProfileConfig)], ("train_with_profiling.py",)),
-}
-CHECKED_SCRIPTS = {"train.py", "train_with_profiling.py", _DDP, _FSDP, _MP, _PP, _ESTIMATE}
+# Keys that only some scripts apply: any other script refuses them set away from their defaults, since a user who asks
+# train.py for --tp 2 would otherwise get one device without a sign. Each technique declares its own beside it, in its
+# file (utils/parallel/*.py, utils/precision.py, utils/checkpoint/sharded.py: APPLIED_BY), read here as a literal from
+# the file's text: the ground floor imports none of them (the layers), and importing them all would cost every script
+# 1.5 s. Every key not listed is applied by every script that reads a config; scripts not in CHECKED_SCRIPTS
+# (benchmarks) pass keys on to these.
+CHECKED_SCRIPTS = {"train.py", "train_with_profiling.py", "train_ddp.py", "train_fsdp.py", "train_mp.py", "train_pp.py",
+                   "estimate_memory.py"}
+
+
+def _declared_keys() -> dict[str, tuple[str, ...]]:
+    """{key: the scripts that apply it}: every file of utils/ that declares APPLIED_BY, a dict literal whose keys are a
+    key or a tuple of keys; and the profile section, which train_with_profiling.py alone applies."""
+    applied: dict[str, tuple[str, ...]] = {}
+    for path in sorted(Path(__file__).parent.rglob("*.py")):
+        text = path.read_text()
+        start = text.find("\nAPPLIED_BY = {")
+        if start < 0:
+            continue
+        literal = text[start + len("\nAPPLIED_BY = "):text.index("\n}\n", start) + 2]  # the dict, to its closing line
+        for keys, scripts in ast.literal_eval(literal).items():
+            for key in (keys,) if isinstance(keys, str) else keys:
+                applied[key] = tuple(dict.fromkeys(applied.get(key, ()) + scripts))  # a key two files declare
+    return {**applied, **dict.fromkeys([f.name for f in dataclasses.fields(ProfileConfig)], ("train_with_profiling.py",))}
+
+
+APPLIED_BY = _declared_keys()
 
 
 def refuse_unapplied(cfg: Config, script: str) -> None:
@@ -532,7 +538,7 @@ def refuse_unapplied(cfg: Config, script: str) -> None:
     for key, scripts in APPLIED_BY.items():
         if script in CHECKED_SCRIPTS and script not in scripts and values[key] != defaults[key]:
             shown = json.dumps(values[key]) if isinstance(values[key], (bool, list)) else values[key]
-            if script == _ESTIMATE:
+            if script == "estimate_memory.py":
                 raise ConfigError(f"{script} does not model --{key} {shown} ({scripts[0]} applies it): estimate "
                                   "without it")
             raise ConfigError(f"--{key} {shown} is applied by {' and '.join(scripts)} only; {script} would ignore "

@@ -27,6 +27,16 @@ from utils.parallel.plans import ac_units
 from utils.parallel.versions import average_fsdp_gradients
 from utils.precision import DTYPES
 
+# The config keys this file applies, and the scripts that apply them: any other script refuses them set away
+# from their defaults (utils/config.py reads every file's APPLIED_BY as a literal, without importing the file).
+APPLIED_BY = {
+    ("fsdp_unit", "param_dtype", "reduce_dtype"): ("train_fsdp.py", "train_mp.py", "train_pp.py", "estimate_memory.py"),
+    # train_pp.py keeps parameters gathered through a step
+    "reshard_after_forward": ("train_fsdp.py", "train_mp.py", "estimate_memory.py"),
+    # train_mp.py and train_pp.py shard over their own dp meshes
+    "hsdp_replicas": ("train_fsdp.py", "estimate_memory.py"),
+}
+
 HSDP_DIMS = ("replicate", "shard")
 
 

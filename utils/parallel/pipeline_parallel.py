@@ -43,6 +43,13 @@ from utils.parallel.plans import StagePlan, missing_plan, model_plan
 from utils.parallel.versions import check_schedule, keep_every_p2p_work
 from utils.precision import autocast
 
+# The config keys this file applies, and the scripts that apply them: any other script refuses them set away
+# from their defaults (utils/config.py reads every file's APPLIED_BY as a literal, without importing the file).
+APPLIED_BY = {
+    ("pp", "pp_schedule", "pp_microbatches"): ("train_pp.py", "estimate_memory.py"),
+    ("pp_split", "pp_dp"): ("train_pp.py",),
+}
+
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
              "zbv": ScheduleZBVZeroBubble}
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zbv": 2}

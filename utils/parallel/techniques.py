@@ -24,6 +24,13 @@ from torch.nn.parallel import DistributedDataParallel
 from utils.config import ConfigError
 from utils.parallel.plans import ac_units
 
+# The config keys this file applies, and the scripts that apply them: any other script refuses them set away
+# from their defaults (utils/config.py reads every file's APPLIED_BY as a literal, without importing the file).
+APPLIED_BY = {
+    ("bucket_cap_mb", "broadcast_buffers", "static_graph", "no_ddp"): ("train_ddp.py",),
+    "gradient_as_bucket_view": ("train_ddp.py", "estimate_memory.py"),
+}
+
 
 def apply_ac(model: nn.Module, mode: str) -> nn.Module:
     """Activation checkpointing per block ("block") or per SwinIR RSTB ("layer"); "none" does nothing.

@@ -35,6 +35,12 @@ from utils.config import ConfigError
 from utils.parallel.plans import missing_plan, model_plan
 from utils.parallel.versions import replicated_convolutions_locally
 
+# The config keys this file applies, and the scripts that apply them: any other script refuses them set away
+# from their defaults (utils/config.py reads every file's APPLIED_BY as a literal, without importing the file).
+APPLIED_BY = {
+    "tp": ("train_mp.py", "estimate_memory.py"),
+}
+
 
 def _heads_of_this_rank(attn: nn.Module, mesh) -> None:
     """After qkv: (windows, N, 3 * D) sharded by columns -> this rank's heads of q, k and v, a local tensor.
