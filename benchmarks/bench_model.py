@@ -36,6 +36,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+import yaml
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -57,8 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="bf16 runs the step under autocast")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--drop_path_rate", type=float, default=None,
-                        help="override the config's stochastic depth rate (default: keep it)")
+    parser.add_argument("--model_args", type=yaml.safe_load, default=None, metavar="MAPPING",
+                        help="the model's arguments over the config's, in YAML: '{drop_path_rate: 0}' (no stochastic "
+                             "depth; default: the config's)")
     parser.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA (peak and step alike)")
     parser.add_argument("--peak_seconds", type=float, default=0.3, help="time spent per matmul size for the peak")
     parser.add_argument("--peak_sizes", type=int, nargs="+", default=None, metavar="N",
@@ -196,12 +198,10 @@ def main(argv=None) -> int:
         print(f"error: --dtype bf16: this {device.type} has no native bf16 matmuls; use --dtype fp32", file=sys.stderr)
         return 2
     try:
-        cfg = build_config(args.config)
+        cfg = build_config(args.config, {"model_args": args.model_args} if args.model_args is not None else None)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.drop_path_rate is not None:
-        cfg.model.model_args["drop_path_rate"] = args.drop_path_rate
 
     torch.manual_seed(0)
     model = build_model(cfg).to(device).train()

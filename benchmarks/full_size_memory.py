@@ -82,7 +82,8 @@ def size(text: str) -> tuple[int, int]:
 
 def config(setting: str, device: str = "cpu", name: str = "full_size", overrides: Optional[dict] = None):
     # Stochastic depth off: the step is the same computation in every run (it changes no memory term).
-    return build_config(name, {**SETTINGS[setting], "device": device, "drop_path_rate": 0.0, **(overrides or {})})
+    return build_config(name, {**SETTINGS[setting], "device": device, "model_args.drop_path_rate": 0.0,
+                               **(overrides or {})})
 
 
 def measure_full_size_activations(args) -> dict:

@@ -34,8 +34,9 @@ from utils.memory.estimate import GB, estimate_memory  # noqa: E402
 from utils.memory.measure import measure_config  # noqa: E402
 
 # A small SwinIR with the tutorial's structure (window 8, MLP ratio 2) that steps in about a second.
-SMALL = dict(embed_dim=48, depths=[2, 2], num_heads=[6, 6], img_size=32, drop_path_rate=0.1)
-TUTORIAL = dict(embed_dim=180, depths=[6] * 6, num_heads=[6] * 6, img_size=64, mlp_ratio=2.0, drop_path_rate=0.1)
+SMALL = {"model_args": {"embed_dim": 48, "depths": [2, 2], "num_heads": [6, 6], "drop_path_rate": 0.1}, "img_size": 32}
+TUTORIAL = {"model_args": {"embed_dim": 180, "depths": [6] * 6, "num_heads": [6] * 6, "mlp_ratio": 2.0,
+                           "drop_path_rate": 0.1}, "img_size": 64}
 
 # (name, model, overrides, low-res input size); batch_size is per step (one rank).
 GRID = [
@@ -46,24 +47,29 @@ GRID = [
     ("bf16 AC block", SMALL, dict(batch_size=2, amp_dtype="bf16", ac="block"), (32, 64)),
     ("bf16 AC layer, x4", SMALL, dict(batch_size=1, amp_dtype="bf16", ac="layer", upscale=4), (24, 40)),
     ("bf16, 3conv, nearest+conv, MSE", SMALL,
-     dict(batch_size=2, amp_dtype="bf16", resi_connection="3conv", upsampler="nearest+conv", loss="mse"), (20, 44)),
-    ("fp32, pixelshuffledirect x3", SMALL, dict(batch_size=1, upsampler="pixelshuffledirect", upscale=3), (40, 24)),
+     {"batch_size": 2, "amp_dtype": "bf16", "model_args.resi_connection": "3conv",
+      "model_args.upsampler": "nearest+conv", "loss": "mse"}, (20, 44)),
+    ("fp32, pixelshuffledirect x3", SMALL, {"batch_size": 1, "model_args.upsampler": "pixelshuffledirect",
+                                            "upscale": 3}, (40, 24)),
     ("tutorial model bf16 AC block", TUTORIAL, dict(batch_size=1, amp_dtype="bf16", ac="block"), (24, 32)),
     ("tutorial model fp32", TUTORIAL, dict(batch_size=1), (16, 24)),
 ]
 
 # The ViT forecaster: 20 channels like NERSC's data; relative L2 on normalised fields unless said.
-VIT_SMALL = dict(model="vit", in_chans=20, img_size=[32, 64], patch_size=4, embed_dim=64, depths=[2],
-                 num_heads=[4], drop_path_rate=0.0)
-VIT_SHORT_REDUCED = dict(model="vit", in_chans=20, img_size=[90, 180], patch_size=6, embed_dim=384, depths=[2],
-                         num_heads=[8], drop_path_rate=0.0)  # vit_short's width, 2 of its 12 blocks
+VIT_SMALL = {"model": "vit", "in_chans": 20, "img_size": [32, 64],
+             "model_args": {"patch_size": 4, "embed_dim": 64, "depths": [2], "num_heads": [4], "drop_path_rate": 0.0}}
+VIT_SHORT_REDUCED = {"model": "vit", "in_chans": 20, "img_size": [90, 180],  # vit_short's width, 2 of its 12 blocks
+                     "model_args": {"patch_size": 6, "embed_dim": 384, "depths": [2], "num_heads": [8],
+                                    "drop_path_rate": 0.0}}
 VIT_GRID = [
     ("ViT fp32", VIT_SMALL, dict(batch_size=2), None),
     ("ViT bf16", VIT_SMALL, dict(batch_size=2, amp_dtype="bf16"), None),
     ("ViT fp32 AC block", VIT_SMALL, dict(batch_size=2, ac="block"), None),
     ("ViT bf16 AC block", VIT_SMALL, dict(batch_size=2, amp_dtype="bf16", ac="block"), None),
-    ("ViT bf16 64x128 p8, MSE, drop path", {**VIT_SMALL, "img_size": [64, 128], "patch_size": 8, "depths": [3]},
-     dict(batch_size=3, amp_dtype="bf16", loss="mse", loss_space="physical", drop_path_rate=0.1), None),
+    ("ViT bf16 64x128 p8, MSE, drop path", {**VIT_SMALL, "img_size": [64, 128], "model_args.patch_size": 8,
+                                            "model_args.depths": [3]},
+     {"batch_size": 3, "amp_dtype": "bf16", "loss": "mse", "loss_space": "physical",
+      "model_args.drop_path_rate": 0.1}, None),
     ("ViT fp16 AC block", VIT_SMALL, dict(batch_size=1, amp_dtype="fp16", ac="block"), None),
     ("ViT width 384, 90x180 p6, fp32", VIT_SHORT_REDUCED, dict(batch_size=1), None),
     ("ViT width 384, 90x180 p6, bf16", VIT_SHORT_REDUCED, dict(batch_size=2, amp_dtype="bf16"), None),

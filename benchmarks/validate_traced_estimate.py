@@ -54,10 +54,11 @@ from utils.training import exit_process  # noqa: E402
 EXAMPLE_CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "fno" / "fno.yaml"
 
 # The models: (name, base config, overrides); batches are global (4 and 8 divide over 2 and 4 processes).
-SWINIR_TINY = dict(depths=[2], num_heads=[2], embed_dim=16, img_size=16, drop_path_rate=0.0, window_size=8,
-                   crop_size=32, batch_size=4)
-VIT_TINY = dict(img_size=[16, 32], patch_size=4, embed_dim=16, depths=[2], num_heads=[2], batch_size=4)
-UNET_TINY = dict(crop_size=16, widths=[4, 8], batch_size=4)
+SWINIR_TINY = {"model_args": {"depths": [2], "num_heads": [2], "embed_dim": 16, "drop_path_rate": 0.0,
+                              "window_size": 8}, "img_size": 16, "crop_size": 32, "batch_size": 4}
+VIT_TINY = {"img_size": [16, 32], "model_args": {"patch_size": 4, "embed_dim": 16, "depths": [2], "num_heads": [2]},
+            "batch_size": 4}
+UNET_TINY = {"crop_size": 16, "model_args": {"widths": [4, 8]}, "batch_size": 4}
 MODELS = {
     "SwinIR tiny": ("quickstart", SWINIR_TINY),
     "ViT tiny": ("vit_quickstart", VIT_TINY),

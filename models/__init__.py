@@ -10,7 +10,11 @@ with the keyword arguments it names among:
   inside, as models/common.py's ``PhysicalUnitsModel`` does; one that takes neither, a library's, is fed
   standardised fields and its outputs are turned back into physical units around it: :func:`units_inside`);
 - ``model_args``, the model's own arguments (a built-in model's ``embed_dim``, ``depths``, ...:
-  ``--model_args.embed_dim 16``), over its builder's defaults (:func:`model_arguments`).
+  ``--model_args.embed_dim 16``), over its builder's defaults, as the config's validation typed and stored them
+  (:meth:`ResolvedModel.arguments`).
+
+What ``model_class`` names is imported and read once per process (:func:`resolve`): the config's checks, the builder,
+the techniques' plans, the estimate and the task's contract all take it from there.
 
 Then it checks what the techniques rely on: an ``nn.Module``, whose complex parameters (a spectral layer's weights,
 as neuraloperator stores them) it stores as their real view, since fused AdamW, FSDP2 and DCP refuse complex ones
@@ -23,6 +27,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -34,9 +39,9 @@ from .spec import ModelSpec, built_in, built_in_names, target_spec
 
 # The built-in models (models/<name>/: the network and its spec) are imported where a config names them, not here:
 # their specs' memory descriptions use the helpers of utils/, which import this module.
-__all__ = ["ModelError", "accepted_arguments", "build_model", "complex_state_dict", "config_spec", "copy_model",
-           "count_parameters", "fixed_input_size", "load_model_class", "model_arguments", "named_arguments", "on_meta",
-           "store_complex_as_real", "units_inside"]
+__all__ = ["ModelError", "ResolvedModel", "build_model", "complex_state_dict", "config_spec", "copy_model",
+           "count_parameters", "fixed_input_size", "load_model_class", "on_meta", "resolve", "store_complex_as_real",
+           "units_inside"]
 
 DATA_ARGS = ("in_chans", "out_chans", "img_size", "upscale", "mean", "std", "out_mean", "out_std")
 """What a model may take from the data (resolved from it before the model is built)."""
@@ -88,12 +93,13 @@ def build_model(cfg) -> nn.Module:
     if not cfg.model_class:
         raise ModelError(f"model {cfg.model!r}: model_class is empty; build the config with utils.config."
                          "build_config, which names the built-in models' classes")
-    target = load_model_class(cfg.model_class, cfg.model_path)
-    takes = _arguments(target, cfg.model_class)
+    found = resolve(cfg)
+    target, takes = found.target, found.takes
     data = {**{name: getattr(cfg, name) for name in DATA_ARGS}, "img_size": cfg.img_hw}
     # The data's arguments go to the names the builder names; its **kwargs take model_args only: a library's class
     # hands them on to its parts (segmentation_models_pytorch's Unet to its encoder), which know none of these names.
-    kwargs = {**{k: v for k, v in data.items() if k in takes}, **model_arguments(cfg, target)}
+    # model_args as the config's validation typed them and filled in the defaults (a constructor's refusal: below).
+    kwargs = {**{k: v for k, v in data.items() if k in takes}, **cfg.model_args}
     if "mean" in kwargs and not kwargs["mean"]:
         raise ModelError("build_model: mean/std are empty; resolve them from the data first "
                          "(utils.data.era5.resolve_from_data) or set them in the config")
@@ -120,37 +126,66 @@ def check_contract(model: Any, name: str) -> None:
         raise ModelError(f"{name} returned a {type(model).__name__}, not a torch.nn.Module")
 
 
-def model_arguments(cfg, target: Optional[Callable] = None) -> dict[str, Any]:
-    """The model's own arguments: ``cfg.model_args`` over its builder's defaults (those that are plain values:
-    numbers, strings, lists; another default, an object, stays the builder's own), the data's arguments left to the
-    data. The config's validation stores them back, so a config (and a checkpoint) names the whole model.
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A config's model as found once per process (:func:`resolve`): what ``model_class`` names, the arguments its
+    builder takes, and the module that holds it. Its spec is read from the registry each time (models/spec.py: a
+    ``register_plan`` after the import lands there), which costs a lookup, not an import."""
 
-    ModelError, in one line, for an argument the builder does not take, one it needs that is not given, or a value
-    of another kind than its default (a list for a number)."""
-    target = target or load_model_class(cfg.model_class, cfg.model_path)
-    takes = _arguments(target, cfg.model_class)
-    wrong = sorted(set(cfg.model_args) - set(takes)) if None not in takes else []
-    if wrong:
-        raise ModelError(f"model_args {', '.join(wrong)}: not an argument of {cfg.model_class} (it takes "
-                         f"{', '.join(n for n in takes if n and n not in DATA_ARGS) or 'none'})")
-    defaults = {n: _plain(d) for n, d in takes.items() if n and n not in DATA_ARGS and _plain(d) is not _NOT_PLAIN}
-    args = {**defaults, **{n: _typed(n, v, takes.get(n, _EMPTY)) for n, v in cfg.model_args.items()}}
-    missing = [n for n, d in takes.items() if n and d is _EMPTY and n not in args and n not in DATA_ARGS]
-    if missing:
-        raise ModelError(f"{cfg.model_class} needs {', '.join(missing)}: set them in model_args (the data gives only "
-                         f"{', '.join(DATA_ARGS)})")
-    return args
+    target: Callable[..., nn.Module]
+    takes: dict[Optional[str], Any]
+    """{argument name: its default (inspect.Parameter.empty: required)}; the key None if it takes **kwargs."""
+    module: Any
+
+    @property
+    def spec(self) -> ModelSpec:
+        return target_spec(self.target)
+
+    @property
+    def named(self) -> set[str]:
+        """The names of the arguments the builder names (the data's go to these alone)."""
+        return {name for name in self.takes if name}
+
+    @property
+    def accepted(self) -> Optional[set[str]]:
+        """The names of the arguments the builder takes (None: any, it takes **kwargs)."""
+        return None if None in self.takes else self.named
+
+    def arguments(self, model_args: dict[str, Any], name: str) -> dict[str, Any]:
+        """``model_args`` over the builder's defaults (those that are plain values: numbers, strings, lists; another
+        default, an object, stays the builder's own), typed as the defaults are, the data's arguments left to the
+        data: what the config's validation stores back, so that a config (and a checkpoint) names the whole model.
+
+        ModelError, in one line, for an argument the builder does not take, one it needs that is not given, or a
+        value of another kind than its default (a list for a number); ``name``: the model_class, for the errors."""
+        takes = self.takes
+        wrong = sorted(set(model_args) - set(takes)) if None not in takes else []
+        if wrong:
+            raise ModelError(f"model_args {', '.join(wrong)}: not an argument of {name} (it takes "
+                             f"{', '.join(n for n in takes if n and n not in DATA_ARGS) or 'none'})")
+        defaults = {n: _plain(d) for n, d in takes.items() if n and n not in DATA_ARGS and _plain(d) is not _NOT_PLAIN}
+        args = {**defaults, **{n: _typed(n, v, takes.get(n, _EMPTY)) for n, v in model_args.items()}}
+        missing = [n for n, d in takes.items() if n and d is _EMPTY and n not in args and n not in DATA_ARGS]
+        if missing:
+            raise ModelError(f"{name} needs {', '.join(missing)}: set them in model_args (the data gives only "
+                             f"{', '.join(DATA_ARGS)})")
+        return args
 
 
-def accepted_arguments(cfg) -> Optional[set[str]]:
-    """The names of the arguments the model's builder takes (None: any, it takes **kwargs)."""
-    takes = _arguments(load_model_class(cfg.model_class, cfg.model_path), cfg.model_class)
-    return None if None in takes else set(takes)
+_RESOLVED: dict[tuple[str, str], ResolvedModel] = {}
 
 
-def named_arguments(cfg) -> set[str]:
-    """The names of the arguments the model's builder names (the data's go to these alone)."""
-    return {name for name in _arguments(load_model_class(cfg.model_class, cfg.model_path), cfg.model_class) if name}
+def resolve(cfg) -> ResolvedModel:
+    """The model a config's model section names, imported and read once per process (``load_model_class`` once per
+    model_class and folder): the config's validation, the builder, the techniques, the estimate and the task's
+    checks all take it from here. Found again only if its module left ``sys.modules`` (a test that imports it anew)."""
+    key = (cfg.model_class, cfg.model_path)
+    found = _RESOLVED.get(key)
+    if found is None or sys.modules.get(found.module.__name__) is not found.module:
+        target = load_model_class(*key)
+        module = sys.modules[cfg.model_class.partition(":")[0]]
+        found = _RESOLVED[key] = ResolvedModel(target, _arguments(target, cfg.model_class), module)
+    return found
 
 
 _EMPTY, _NOT_PLAIN = inspect.Parameter.empty, object()
@@ -209,7 +244,7 @@ def config_spec(cfg) -> ModelSpec:
     :func:`build_model` imports it, so that the spec registered beside the model is found."""
     if not cfg.model_class:  # a config not yet validated (validation fills in a built-in model's model_class)
         return built_in(cfg.model) if cfg.model in built_in_names() else ModelSpec(object)
-    return target_spec(load_model_class(cfg.model_class, cfg.model_path))
+    return resolve(cfg).spec
 
 
 def fixed_input_size(cfg) -> Optional[tuple[int, int]]:

@@ -133,6 +133,10 @@ class ModelSpec:
     spectral layers (FFTs of a model of one's own). A pattern may match nothing in one configuration of the model."""
     fresh_caches: Optional[Callable[[], None]] = None
     """Empties what the model's module caches between calls (a memory measurement starts from nothing)."""
+    flat_keys: tuple[str, ...] = ()
+    """A built-in model's arguments that older versions took as flat config keys (``embed_dim: 16`` beside ``lr``):
+    the configs and checkpoints that still hold them are read as its model_args (utils/config.py: fold_old_keys).
+    Named here, not derived from the builder, so that a new argument never becomes one."""
 
     def memory_description(self) -> Optional[type]:
         """The memory description's class, imported if it is named by path."""
@@ -236,9 +240,14 @@ def built_in(name: str) -> ModelSpec:
     return _BY_NAME[name]
 
 
+def old_flat_keys() -> frozenset[str]:
+    """Every built-in model's :attr:`ModelSpec.flat_keys` (an old config's keys do not say which model they were for)."""
+    return frozenset(key for name in built_in_names() for key in built_in(name).flat_keys)
+
+
 def check_heads(cfg) -> None:
     """The checks of a transformer's embed_dim, depths and num_heads arguments (SwinIR's and the ViT's), for their
-    specs (the config's model_args hold every argument by then: models.model_arguments)."""
+    specs (the config's model_args hold every argument by then: models.ResolvedModel.arguments)."""
     a = cfg.model.model_args
     depths, heads, dim = a["depths"], a["num_heads"], a["embed_dim"]
     if not dim > 0:

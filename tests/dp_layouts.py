@@ -45,8 +45,8 @@ LAYOUTS = [
     ("cp4-no-halo", 30, 1, 4, "none", "fp32", "halo"),
     ("dp2xcp2-dp-only", 22, 1, 2, "none", "fp32", "cp_reduction"),
 ]
-MODEL = {"depths": [2, 2], "num_heads": [2, 2], "embed_dim": 16, "img_size": 16, "window_size": 8,
-         "drop_path_rate": 0.0, "upsampler": "pixelshuffle"}  # two RSTBs: every kind of 3x3 convolution
+MODEL = {"model_args": {"depths": [2, 2], "num_heads": [2, 2], "embed_dim": 16, "window_size": 8, "drop_path_rate": 0.0,
+                        "upsampler": "pixelshuffle"}, "img_size": 16}  # two RSTBs: every kind of 3x3 convolution
 
 
 def batches(rows: int, upscale: int):

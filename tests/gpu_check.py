@@ -62,7 +62,7 @@ GPU_SIZES = dict(
     data=["--samples-per-year", "16", "--height", "181", "--width", "360"],
     full_size=["--steps", "2"], vit=["--steps", "2"],
     bench=["--config", "baseline", "--size", "64", "--batch_size", "16", "--dtype", "bf16", "--steps", "5",
-           "--warmup", "2", "--drop_path_rate", "0", "--roofline"],
+           "--warmup", "2", "--model_args", "{drop_path_rate: 0}", "--roofline"],
     train=["--config", "baseline", "--model_args.drop_path_rate", "0"],  # no stochastic depth: 2 graphs, not 36
     profile=["--batch_size", "4", "--num_workers", "2"],
     ladder=["--steps", "6", "--breakdown-steps", "6", "--workers", "4"])

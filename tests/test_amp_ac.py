@@ -21,8 +21,9 @@ CPU = torch.device("cpu")
 
 def small_setup(**overrides):
     """A small SwinIR (stochastic depth on) and a batch in physical units."""
-    cfg = build_config("quickstart", {"embed_dim": 24, "depths": [2, 2], "num_heads": [2, 3], "img_size": 16,
-                                      "drop_path_rate": 0.1, "crop_size": 0, **overrides})
+    cfg = build_config("quickstart", {"model_args": {"embed_dim": 24, "depths": [2, 2], "num_heads": [2, 3],
+                                                     "drop_path_rate": 0.1}, "img_size": 16, "crop_size": 0,
+                                      **overrides})
     torch.manual_seed(0)
     model = build_model(cfg.model)
     lr, hr = random_batch(cfg, (16, 24), batch=2)
@@ -189,7 +190,8 @@ def test_compile_gives_every_block_a_graph_and_matches_eager():
     from utils.parallel.techniques import apply_compile
 
     torch._dynamo.reset()
-    cfg = build_config("quickstart", {"depths": [6, 6], "num_heads": [2, 2], "drop_path_rate": 0.1})
+    cfg = build_config("quickstart", {"model_args.depths": [6, 6], "model_args.num_heads": [2, 2],
+                                      "model_args.drop_path_rate": 0.1})
     eager = build_model(cfg.model)  # training mode: dynamo guards on every drop-path rate
     compiled = apply_compile(copy.deepcopy(eager), True, backend="eager")
     blocks = list(compiled.swin_blocks())

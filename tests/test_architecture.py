@@ -63,6 +63,8 @@ def test_the_import_contracts_hold_and_a_broken_one_names_the_import(tmp_path):
     assert suite.returncode != 0 and "examples.fno.fno -> tests.conftest" in suite.stdout
     model = lint_imports(with_import(tmp_path, "utils/memory/estimate.py", "models.vit.memory"))  # a helper on a model
     assert model.returncode != 0 and "utils.memory.estimate -> models.vit.memory" in model.stdout
+    timed = lint_imports(with_import(tmp_path, "models/swinir/memory.py", "utils.plan.comm"))  # a description timing
+    assert timed.returncode != 0 and "models.swinir.memory -> utils.plan.comm" in timed.stdout  # (its vocabulary only)
     contents = lint_imports(with_import(tmp_path, "utils/parallel/pipeline_parallel.py", "utils.checkpoint.contents"))
     assert contents.returncode != 0  # a technique building checkpoint contents
     assert "utils.parallel.pipeline_parallel -> utils.checkpoint.contents" in contents.stdout

@@ -227,7 +227,7 @@ def test_full_training_state_loads_with_weights_only(tmp_path):
         "scheduler": scheduler.state_dict(),
         "scaler": torch.amp.GradScaler("cpu", enabled=True).state_dict(),
         "rng": capture_rng_state(),
-        "config": {"lr": 1e-3, "depths": [6, 6], "amp_dtype": "none", "max_steps": 0},
+        "config": {"lr": 1e-3, "model_args": {"depths": [6, 6]}, "amp_dtype": "none", "max_steps": 0},
         "dtype": torch.bfloat16,
     }
     loaded = load_checkpoint(save_checkpoint(tmp_path, 1, state))

@@ -10,10 +10,13 @@ import pytest
 import estimate_memory
 import utils.config_files as config_files
 from utils.checkpoint.files import CheckpointError
+from models.spec import built_in, old_flat_keys
+from utils.checkpoint.reading import Checkpoint
 from utils.checkpoint.state import check_model_settings
 from utils.config import (APPLIED_BY, CHECKED_SCRIPTS, KEYS, SECTIONS, ConfigError, build_config, field_docs,
                           load_named_configs, parse_config)
 from tests.conftest import REPO, exit_in_one_process
+from utils.predict.model import config_from_checkpoint
 
 NAMED = ["baseline", "quickstart", "full_size", "synthetic_large"]
 
@@ -45,8 +48,10 @@ def test_merge_from_base_and_overrides():
     assert cfg.train.weight_decay == 1e-6  # inherited from base
 
 
-def test_the_old_flat_model_keys_still_read_with_one_line(capsys, monkeypatch):
+def test_the_old_flat_model_keys_still_read_with_one_line(capsys, monkeypatch, tmp_path):
+    # Old configs and checkpoints hold a built-in model's arguments as flat keys; each model's spec names its own.
     monkeypatch.setattr(config_files, "_told_moved", False)
+    assert "embed_dim" not in KEYS and "embed_dim" in built_in("swinir").flat_keys and "widths" in old_flat_keys()
     cfg = build_config("quickstart", {"embed_dim": "24", "drop_path_rate": 0, "widths": [4]})
     assert cfg.model.model_args["embed_dim"] == 24 and cfg.model.model_args["depths"] == [2]
     assert cfg.model.model_args["drop_path_rate"] == 0.0 and "widths" not in cfg.model.model_args  # SwinIR has none
@@ -62,6 +67,23 @@ def test_the_old_flat_model_keys_still_read_with_one_line(capsys, monkeypatch):
     check_model_settings(old, build_config("quickstart"), "old.pt")  # the same model: resumes
     with pytest.raises(CheckpointError, match=r"other settings: model_args.embed_dim 24 \(checkpoint: 32\);"):
         check_model_settings(old, cfg, "old.pt")
+    read = config_from_checkpoint(Checkpoint(tmp_path / "old.pt", tmp_path, {**old, "embed_dim": 24}, 5, None),
+                                  {}, ("sr",), "")
+    assert read.model.model_args["embed_dim"] == 24 and "widths" not in read.model.model_args
+    # an old config of yours over a project's config: its flat key wins over the base's model_args, as it did
+    (tmp_path / "old.yaml").write_text("mine:\n  base: quickstart\n  embed_dim: 8\n  num_heads: [2]\n")
+    mine = build_config("mine", path=tmp_path / "old.yaml").model.model_args
+    assert (mine["embed_dim"], mine["num_heads"], mine["depths"]) == (8, [2], [2])
+
+
+def test_an_old_flat_flag_says_where_it_moved(capsys):
+    # The hidden flags are gone: the command line is where one writes anew, and one line says how.
+    with pytest.raises(SystemExit) as stop:
+        parse_config("", ["--config", "quickstart", "--embed_dim", "16"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "--embed_dim is a model argument now: write --model_args.embed_dim VALUE (in a config: model_args: "
+        "{embed_dim: VALUE})")
 
 
 def test_model_args_are_checked_against_the_builder_in_one_line():
@@ -80,7 +102,7 @@ def test_model_args_are_checked_against_the_builder_in_one_line():
     ({"batch_size": "many"}, "expected an integer"),
     ({"amp_dtype": "fp8"}, "not one of"),
     ({"crop_size": 63}, "divisible by upscale"),
-    ({"depths": [2, 2, 2]}, "same length"),
+    ({"model_args.depths": [2, 2, 2]}, "same length"),
     # The long-run keys: a timeout or an interval that cannot work is one line, not a traceback at the first step
     ({"dist_timeout_s": 0}, "dist_timeout_s must be > 0, got 0"),
     ({"dist_timeout_s": float("nan")}, "dist_timeout_s must be > 0, got nan"),
@@ -153,6 +175,17 @@ def test_keys_at_their_defaults_pass_and_the_table_names_real_keys_and_scripts()
         assert parse_config("", ["--tp", "1", "--pp_schedule", "1f1b", "--profile", "false"]).dist.tp == 1
     with mock.patch.object(sys, "argv", ["train_with_profiling.py"]):  # its own default (profile) is not "set"
         assert parse_config("", [], script_defaults={"profile": True}).profile.profile is True
+
+
+def test_each_technique_declares_its_keys_beside_it():
+    # utils/config.py reads each file's APPLIED_BY from its text (the ground floor imports no technique): what it reads
+    # is what the file, imported, holds.
+    from utils.parallel import fsdp, pipeline_parallel, tensor_parallel  # noqa: PLC0415 (torch: this test only)
+
+    assert APPLIED_BY["tp"] == ("train_mp.py", "estimate_memory.py") == tensor_parallel.APPLIED_BY["tp"]
+    assert APPLIED_BY["hsdp_replicas"] == fsdp.APPLIED_BY["hsdp_replicas"] == ("train_fsdp.py", "estimate_memory.py")
+    assert all(APPLIED_BY[key] == ("train_pp.py",) for key in ("pp_split", "pp_dp"))
+    assert ("pp_split", "pp_dp") in pipeline_parallel.APPLIED_BY and APPLIED_BY["profile"] == ("train_with_profiling.py",)
 
 
 @pytest.mark.parametrize("layout, said", [(["--cp", "4"], "each field in 4 bands (cp)"),

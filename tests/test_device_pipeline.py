@@ -26,8 +26,9 @@ from utils.training import build_optimizer
 def sr_config(data_dir, **overrides):
     """tests/conftest.py's tiny quickstart run as a config."""
     return build_config("quickstart", {"data_dir": str(data_dir), "crop_size": 32, "n_patches": 2, "batch_size": 4,
-                                       "num_workers": 0, "val_samples": 4, "depths": [2], "num_heads": [2],
-                                       "embed_dim": 16, "img_size": [16], "drop_path_rate": 0.0, **overrides})
+                                       "num_workers": 0, "val_samples": 4, "img_size": [16],
+                                       "model_args": {"depths": [2], "num_heads": [2], "embed_dim": 16,
+                                                      "drop_path_rate": 0.0}, **overrides})
 
 
 def batches(loader, epoch: int, start_batch: int = 0) -> list:

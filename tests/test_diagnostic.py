@@ -86,8 +86,9 @@ def test_predict_writes_the_targets_at_their_times_and_evaluate_scores_them_at_l
 
 
 def test_the_loss_and_the_memory_estimate_see_the_targets_channels():
-    cfg = build_config("vit_tcwv_quickstart", {"img_size": [16, 32], "patch_size": 4, "embed_dim": 16, "depths": [2],
-                                               "num_heads": [2], "batch_size": 2, "device": "cpu", "loss": "mse",
+    cfg = build_config("vit_tcwv_quickstart", {"img_size": [16, 32], "batch_size": 2, "device": "cpu", "loss": "mse",
+                                               "model_args": {"patch_size": 4, "embed_dim": 16, "depths": [2],
+                                                              "num_heads": [2]},
                                                "loss_space": "normalized", "mean": [0.0] * 19, "std": [1.0] * 19,
                                                "out_mean": [30.0], "out_std": [12.0]})
     target = 30.0 + 12.0 * torch.randn(2, 1, 16, 32, generator=torch.Generator().manual_seed(0))

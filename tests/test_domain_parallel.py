@@ -67,8 +67,9 @@ def test_each_band_saves_a_quarter_of_the_field_as_estimated(layouts):
     per_rank, single = cp4["activation_bytes"], cp4["single_bytes"]
     # The goal: memory(cp=1) / memory(cp=N) >= 0.8 N, here on the largest band (8 of 32 padded rows).
     assert single / max(per_rank) >= 0.8 * 4, (single, per_rank)
-    cfg = build_config("quickstart", {"depths": [2, 2], "num_heads": [2, 2], "embed_dim": 16, "img_size": 16,
-                                      "window_size": 8, "upsampler": "pixelshuffle", "cp": 4, "batch_size": 2})
+    cfg = build_config("quickstart", {"img_size": 16, "cp": 4, "batch_size": 2,
+                                      "model_args": {"depths": [2, 2], "num_heads": [2, 2], "embed_dim": 16,
+                                                     "window_size": 8, "upsampler": "pixelshuffle"}})
     predicted = estimate_memory(cfg, world_size=4, strategy="fsdp", device_type="cpu", lr_size=(30, 24)).activations
     assert predicted == pytest.approx(per_rank[0], rel=0.15)
 
@@ -117,9 +118,9 @@ def test_bands_and_their_errors():
 
 
 def test_what_domain_parallelism_refuses():
-    model = {"depths": [1], "num_heads": [2], "embed_dim": 8, "img_size": 16, "window_size": 8}
+    args = {"depths": [1], "num_heads": [2], "embed_dim": 8, "window_size": 8}
     with pytest.raises(ConfigError, match="does not split the absolute position embedding .* use cp 1"):
-        apply_cp(SwinIR(**model, ape=True), FakeMesh())
+        apply_cp(SwinIR(**args, img_size=16, ape=True), FakeMesh())
     with pytest.raises(ConfigError, match="loss .* is not a mean over the field's points"):
-        field_bands(build_config("quickstart", {**model, "loss": "relative_l2"}), FakeMesh())
+        field_bands(build_config("quickstart", {"model_args": args, "img_size": 16, "loss": "relative_l2"}), FakeMesh())
     assert field_bands(build_config("vit_quickstart"), FakeMesh()) is None  # the ViT's cp splits tokens

@@ -45,7 +45,8 @@ def write_nersc_layout(root: Path, samples: int = 6, channels: int = C, stats: b
 
 def vit_config(root: Path, **overrides):
     values = {"data_dir": str(root), "channel_names": [], "key_channels": [], "in_chans": C, "img_size": [8, 16],
-              "patch_size": 4, "embed_dim": 8, "depths": [1], "num_heads": [2], "batch_size": 2, "val_samples": 0}
+              "model_args": {"patch_size": 4, "embed_dim": 8, "depths": [1], "num_heads": [2]}, "batch_size": 2,
+              "val_samples": 0}
     values.update(overrides)
     return build_config("vit_quickstart", values)
 
@@ -214,7 +215,7 @@ def test_cosine_schedule_with_warmup():
     ({"task": "sr"}, ConfigError, "use task forecast"),
     ({"img_size": [10, 16]}, ConfigError, "not divisible by patch_size 4"),
     ({"crop_size": 8}, ConfigError, "whole fields"),
-    ({"depths": [1, 1], "num_heads": [2, 2]}, ConfigError, "one stage"),
+    ({"model_args.depths": [1, 1], "model_args.num_heads": [2, 2]}, ConfigError, "one stage"),
     ({"mean": [0.0, 1.0]}, ConfigError, "mean and std need 3 values"),
     ({"betas": [0.9]}, ConfigError, "betas"),
     ({"ac": "layer"}, ConfigError, "SwinIR's RSTB"),
@@ -300,7 +301,7 @@ def test_a_named_config_takes_the_channels_and_grid_of_other_data(tmp_path, caps
     """vit_quickstart (20 channels, its own grid) pointed at 3-channel data of another grid: the data's channel
     count, names, statistics and grid replace the config's, said in one line; what the command line states stays."""
     root = write_nersc_layout(tmp_path / "data")
-    cfg = build_config("vit_quickstart", {"data_dir": str(root), "patch_size": 4})
+    cfg = build_config("vit_quickstart", {"data_dir": str(root), "model_args.patch_size": 4})
     assert cfg.model.in_chans == 20 and cfg.model.img_size != [H_STORED - 1, W]
     resolve_from_data(cfg)
     assert cfg.model.in_chans == C and cfg.data.channel_names == NAMES[:C]
@@ -309,6 +310,7 @@ def test_a_named_config_takes_the_channels_and_grid_of_other_data(tmp_path, caps
     assert cfg.model.mean == pytest.approx(means.tolist()) and cfg.model.img_size == [H_STORED - 1, W]
     said = capsys.readouterr().out
     assert said.count("\n") == 1 and "in_chans 3 (the config's 20)" in said and "img_size" in said
-    stated = build_config("vit_quickstart", {"data_dir": str(root), "patch_size": 4, "key_channels": ["z500"]})
+    stated = build_config("vit_quickstart", {"data_dir": str(root), "model_args.patch_size": 4,
+                                             "key_channels": ["z500"]})
     resolve_from_data(stated)
     assert stated.model.in_chans == C and stated.data.key_channels == ["z500"]

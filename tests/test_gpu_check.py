@@ -61,14 +61,14 @@ def test_dry_run_passes_what_a_cpu_can_run_and_reports_the_rest_as_skipped(tmp_p
 
 def test_the_dry_run_gives_every_script_the_gpu_arguments_first():
     """The dry run's arguments are the GPU's, then what shrinks them: a GPU argument that its script no longer takes
-    fails the dry run (as --model_args.drop_path_rate did bench_model.py, whose flag is --drop_path_rate)."""
+    fails the dry run (as --model_args.drop_path_rate did bench_model.py, when its flag was --drop_path_rate)."""
     for name, gpu in gpu_check.GPU_SIZES.items():
         assert gpu_check.SIZES["tiny"][name][:len(gpu)] == gpu, name
     from benchmarks import bench_model
 
     bench_model.parse_args(gpu_check.SIZES["tiny"]["bench"])
     with pytest.raises(SystemExit):  # what the check passed before: exit 2, while the old dry run was green
-        bench_model.parse_args([*gpu_check.SIZES["tiny"]["bench"], "--model_args.drop_path_rate", "0"])
+        bench_model.parse_args([*gpu_check.SIZES["tiny"]["bench"], "--drop_path_rate", "0"])  # the flag it had
 
 
 def test_every_test_marked_cuda_is_run_by_the_check():

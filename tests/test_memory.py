@@ -26,8 +26,8 @@ from utils.memory.traced import estimate_traced
 from utils.training import run_cli
 
 # Small enough for a forward in a fraction of a second; two RSTBs with different head counts.
-TINY = dict(embed_dim=24, depths=[2, 2], num_heads=[2, 3], img_size=16, window_size=8, drop_path_rate=0.1,
-            crop_size=0, device="cpu")
+TINY = {"model_args": {"embed_dim": 24, "depths": [2, 2], "num_heads": [2, 3], "window_size": 8, "drop_path_rate": 0.1},
+        "img_size": 16, "crop_size": 0, "device": "cpu"}
 
 
 def tiny_config(**overrides):
@@ -46,10 +46,10 @@ def relative_error(predicted, measured):
     (dict(batch_size=3, ac="layer"), (16, 16)),
     (dict(batch_size=2, amp_dtype="bf16"), (16, 32)),
     (dict(batch_size=1, amp_dtype="fp16", ac="block", upscale=4), (12, 20)),
-    (dict(batch_size=2, amp_dtype="bf16", ac="layer", resi_connection="3conv", upsampler="nearest+conv",
-          loss="mse"), (16, 24)),
-    (dict(batch_size=1, upsampler="pixelshuffledirect", upscale=3), (16, 24)),
-    (dict(batch_size=1, upsampler="", task="forecast"), (16, 24)),  # no upsampler: a task on one grid
+    ({"batch_size": 2, "amp_dtype": "bf16", "ac": "layer", "model_args.resi_connection": "3conv",
+      "model_args.upsampler": "nearest+conv", "loss": "mse"}, (16, 24)),
+    ({"batch_size": 1, "model_args.upsampler": "pixelshuffledirect", "upscale": 3}, (16, 24)),
+    ({"batch_size": 1, "model_args.upsampler": "", "task": "forecast"}, (16, 24)),  # no upsampler: a task on one grid
 ])
 def test_estimated_activations_within_15_percent_of_measured(overrides, lr_size):
     cfg = tiny_config(**overrides)
@@ -83,7 +83,7 @@ def test_fake_tensor_trace_counts_what_a_real_forward_saves():
 
 def test_activations_grow_linearly_with_pixels_measured_and_estimated():
     # Two RSTBs of the tutorial's SwinIR (width 180, 6 heads), traced without computing anything.
-    cfg = build_config("full_size", {"depths": [6, 6], "num_heads": [6, 6]})
+    cfg = build_config("full_size", {"model_args.depths": [6, 6], "model_args.num_heads": [6, 6]})
     model = build_model(cfg.model)
     small, large = (trace_saved_activations(model, (1, 3, h, 64)).bytes for h in (32, 64))
     assert large / small == pytest.approx(2.0, rel=0.02)
@@ -139,9 +139,10 @@ def assert_same_parameters(cfg):
     assert shape.num_param_tensors() == len(list(model.parameters()))  # AdamW's step counts
 
 
-@pytest.mark.parametrize("overrides", [dict(resi_connection="3conv", upsampler="nearest+conv", upscale=4),
-                                       dict(upsampler="pixelshuffle", upscale=3), dict(upsampler="", task="forecast"),
-                                       dict(qkv_bias=False, img_size=8, upsampler="pixelshuffledirect")])
+@pytest.mark.parametrize("overrides", [
+    {"model_args.resi_connection": "3conv", "model_args.upsampler": "nearest+conv", "upscale": 4},
+    {"model_args.upsampler": "pixelshuffle", "upscale": 3}, {"model_args.upsampler": "", "task": "forecast"},
+    {"model_args.qkv_bias": False, "img_size": 8, "model_args.upsampler": "pixelshuffledirect"}])
 def test_parameter_count_is_exact_for_model_variants(overrides):
     assert_same_parameters(tiny_config(**overrides))
 
@@ -178,9 +179,9 @@ def test_per_rank_values_for_ddp_and_fsdp():
 # ------------------------------------------------------------------ the ViT forecaster
 
 # Three channels of different scale, so that normalisation matters; 4x6 tokens of patch 4.
-TINY_VIT = dict(in_chans=3, img_size=[16, 24], patch_size=4, embed_dim=32, depths=[2], num_heads=[4],
-                mean=[1.0, 280.0, -3.0], std=[2.0, 20.0, 0.5], channel_names=[], key_channels=[],
-                drop_path_rate=0.0, batch_size=2, device="cpu")
+TINY_VIT = {"in_chans": 3, "img_size": [16, 24], "mean": [1.0, 280.0, -3.0], "std": [2.0, 20.0, 0.5],
+            "channel_names": [], "key_channels": [], "batch_size": 2, "device": "cpu",
+            "model_args": {"patch_size": 4, "embed_dim": 32, "depths": [2], "num_heads": [4], "drop_path_rate": 0.0}}
 
 
 def tiny_vit_config(**overrides):
@@ -192,10 +193,14 @@ def tiny_vit_config(**overrides):
     dict(amp_dtype="bf16"),
     dict(ac="block"),
     dict(amp_dtype="bf16", ac="block"),
-    dict(img_size=[32, 48], patch_size=8, embed_dim=48, num_heads=[3], batch_size=3),
-    dict(img_size=[32, 48], patch_size=8, embed_dim=48, num_heads=[3], amp_dtype="bf16", ac="block"),
-    dict(amp_dtype="fp16", depths=[3], drop_path_rate=0.1, loss="mse", loss_space="physical"),
-    dict(batch_size=1, loss="l1", loss_space="normalized", qkv_bias=False, mlp_ratio=2.0),
+    {"img_size": [32, 48], "model_args.patch_size": 8, "model_args.embed_dim": 48, "model_args.num_heads": [3],
+     "batch_size": 3},
+    {"img_size": [32, 48], "model_args.patch_size": 8, "model_args.embed_dim": 48, "model_args.num_heads": [3],
+     "amp_dtype": "bf16", "ac": "block"},
+    {"amp_dtype": "fp16", "model_args.depths": [3], "model_args.drop_path_rate": 0.1, "loss": "mse",
+     "loss_space": "physical"},
+    {"batch_size": 1, "loss": "l1", "loss_space": "normalized", "model_args.qkv_bias": False,
+     "model_args.mlp_ratio": 2.0},
 ])
 def test_vit_estimated_activations_equal_measured_to_the_byte(overrides):
     cfg = tiny_vit_config(**overrides)
@@ -217,7 +222,7 @@ def test_vit_bf16_parameters_equal_measured_to_the_byte(amp_dtype, ac):
 
 
 def test_vit_training_step_measured_against_estimate():
-    cfg = tiny_vit_config(img_size=[32, 64], embed_dim=64, amp_dtype="bf16", ac="block")
+    cfg = tiny_vit_config(img_size=[32, 64], amp_dtype="bf16", ac="block", **{"model_args.embed_dim": 64})
     measured = measure_config(cfg)
     predicted = estimate(cfg, device_type="cpu")
     assert (predicted.params, predicted.grads, predicted.optimizer) == (measured.params, measured.grads,
@@ -284,7 +289,8 @@ def test_vit_rejects_what_it_cannot_do():
 # ------------------------------------------------------------------ SC22's 3-D U-Net
 
 # Three levels (4, 8, 8 channels) on 16³ crops: a forward in milliseconds.
-TINY_UNET = dict(widths=[4, 8, 8], full_scale=False, crop_size=16, batch_size=2, device="cpu")
+TINY_UNET = {"model_args": {"widths": [4, 8, 8], "full_scale": False}, "crop_size": 16, "batch_size": 2,
+             "device": "cpu"}
 
 
 @pytest.mark.parametrize("overrides", [
@@ -292,7 +298,7 @@ TINY_UNET = dict(widths=[4, 8, 8], full_scale=False, crop_size=16, batch_size=2,
     dict(amp_dtype="bf16"),
     dict(ac="block"),
     dict(amp_dtype="bf16", ac="block"),
-    dict(full_scale=True, batch_size=3),
+    {"model_args.full_scale": True, "batch_size": 3},
     dict(lambda_rho=0.5, amp_dtype="fp16"),
 ])
 def test_unet_estimated_activations_equal_measured_to_the_byte(overrides):
@@ -305,8 +311,8 @@ def test_unet_estimated_activations_equal_measured_to_the_byte(overrides):
 
 
 def test_unet_training_step_measured_against_estimate():
-    cfg = build_config("unet3d_quickstart", {**TINY_UNET, "widths": [8, 16, 16], "crop_size": 32, "batch_size": 4,
-                                             "amp_dtype": "bf16", "ac": "block"})
+    cfg = build_config("unet3d_quickstart", {**TINY_UNET, "model_args.widths": [8, 16, 16], "crop_size": 32,
+                                             "batch_size": 4, "amp_dtype": "bf16", "ac": "block"})
     measured = measure_config(cfg)
     predicted = estimate(cfg, device_type="cpu")
     assert (predicted.params, predicted.grads, predicted.optimizer) == (measured.params, measured.grads,

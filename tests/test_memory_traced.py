@@ -75,7 +75,7 @@ def test_a_model_without_a_description_is_traced_by_estimate_memory_and_plan(mon
     file.write_text("one-cpu: {device: cpu, gpu: a CPU, gpus_per_node: 1, memory_gb: 1, peak_bf16_tflops: 0.1, "
                     "peak_tf32_tflops: 0.05, nvlink_gbps: 1, network_gbps: 1, latency_us: 50, "
                     "efficiency: {unet3d: {bf16: 0.2, fp32: 0.3}}}\n")
-    cfg = build_config("unet3d_quickstart", {"crop_size": 16, "widths": [4, 8], "batch_size": 2})
+    cfg = build_config("unet3d_quickstart", {"crop_size": 16, "model_args.widths": [4, 8], "batch_size": 2})
     rows = plan(cfg, load_cluster("one-cpu", file), 1)
     assert {r.layout.precision for r in rows} == {"fp32", "bf16"}
     assert all(r.estimate.setting["method"] == "traced" and 0 < r.gb < 0.01 for r in rows)

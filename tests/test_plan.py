@@ -24,11 +24,11 @@ import plan as plan_script
 from tests.conftest import VIT_MODEL, read_metrics, run_script
 from utils.config import ConfigError, build_config
 from utils.memory.estimate import estimate_memory
-from utils.memory.shapes import model_shape
+from utils.memory.shapes import Traffic, model_shape
 from utils.parallel.pipeline_parallel import STAGES_PER_RANK
 from utils.plan import clusters
 from utils.plan.clusters import load_cluster
-from utils.plan.comm import ddp_buckets, predict_step
+from utils.plan.comm import ddp_buckets, predict_step, traffic_seconds
 from utils.layouts.accepted import enumerate_layouts
 from utils.plan.planner import calibrated, model_facts, plan
 from utils.plan.speed import BACKWARD_SHARE, MiB, predict_speed
@@ -141,8 +141,8 @@ def test_this_machines_efficiency_is_the_configs_own_step(tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("name, overrides", [
-    ("vit_quickstart", {"num_heads": [2], "depths": [4]}),
-    ("quickstart", {"depths": [1, 1, 1, 1], "num_heads": [2, 2, 2, 2], "batch_size": 8}),
+    ("vit_quickstart", {"model_args.num_heads": [2], "model_args.depths": [4]}),
+    ("quickstart", {"model_args.depths": [1, 1, 1, 1], "model_args.num_heads": [2, 2, 2, 2], "batch_size": 8}),
     ("unet3d_quickstart", {}),
 ])
 def test_every_layout_respects_what_the_scripts_check(name, overrides):
@@ -189,8 +189,9 @@ MP_RECORDS = {(): (7.72, 72.91), ("fsdp",): (4.39, 36.45), ("tp",): (4.48, 42.40
 
 @pytest.mark.parametrize("schedule, microbatches", list(PP_RECORDS))
 def test_pipeline_activations_per_schedule_as_recorded(schedule, microbatches):
-    cfg = build_config("quickstart", {"depths": [1, 1, 1, 1], "num_heads": [2, 2, 2, 2], "batch_size": 8, "pp": 2,
-                                      "pp_schedule": schedule, "pp_microbatches": microbatches, "device": "cpu"})
+    cfg = build_config("quickstart", {"model_args": {"depths": [1, 1, 1, 1], "num_heads": [2, 2, 2, 2]},
+                                      "batch_size": 8, "pp": 2, "pp_schedule": schedule,
+                                      "pp_microbatches": microbatches, "device": "cpu"})
     estimate = estimate_memory(cfg, 2, "fsdp", field=(180, 360))
     largest = max(r["activations_gb"] for r in estimate.setting["pp_ranks"]) * 1e3
     assert largest == pytest.approx(PP_RECORDS[schedule, microbatches], rel=0.10)
@@ -240,6 +241,22 @@ def test_bubble_and_tensor_parallel_traffic():
     assert tp[4].speed.terms["tp all-gather/reduce-scatter"] > tp[2].speed.terms["tp all-gather/reduce-scatter"]
     fits = [row.fits for row in rows]
     assert fits == sorted(fits, reverse=True)  # what fits comes first
+
+
+def test_a_description_says_bytes_and_the_planner_times_them():
+    # The description names what is sent over which group; the planner alone knows links. By hand: a ring all-reduce
+    # of 1000 B over 4 ranks carries 2 x 3/4 x 1000 B per link, 1.5 s at 1000 B/s, plus 2 x 3 steps of 0.1 s; an
+    # exchange of 3 messages, 500 B in all: 3 latencies and 0.5 s.
+    terms = {"gradient all-reduce": 9.0}
+    traffic = [Traffic("tp all-reduce", "tp", "all-reduce", 1000, count=2),
+               Traffic("cp halo exchange", "cp", "exchange", 500, count=3)]
+    seconds = traffic_seconds(traffic, {"tp": 4, "cp": 2}, 1000.0, 0.1, terms)
+    assert terms == pytest.approx({"gradient all-reduce": 9.0, "tp all-reduce": 2 * (1.5 + 0.6),
+                                   "cp halo exchange": 0.3 + 0.5})
+    assert seconds == pytest.approx(4.2 + 0.8)
+    vit = model_shape(build_config("vit_mp").model)
+    said = vit.model_parallel_traffic(2, 2, build_config("vit_mp"), 4, 2)
+    assert {(t.term, t.group) for t in said} == {("tp all-gather/reduce-scatter", "tp"), ("cp key/value gather", "cp")}
 
 
 # ------------------------------------------------------------------ end to end

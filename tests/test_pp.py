@@ -124,7 +124,7 @@ def test_balanced_split_and_placement():
 
 
 def test_a_stage_holds_only_its_parts_under_the_model_names():
-    model = build_model(build_config("quickstart", {"depths": [1, 1, 1], "num_heads": [2, 2, 2]}).model)
+    model = build_model(build_config("quickstart", {"model_args": {"depths": [1, 1, 1], "num_heads": [2, 2, 2]}}).model)
     plan = plan_for(model)
     first, last = (cut_stage(model, plan, i, 2, units) for i, units in ((0, range(0, 2)), (1, range(2, 3))))
     names = [set(dict(stage.named_parameters())) for stage in (first, last)]

@@ -135,8 +135,8 @@ def test_dcp_folder_and_bare_weights_predict_what_the_pt_does(reference_run, tin
         run_predict(capsys, "--checkpoint", str(tmp_path / "fsdp"), "--out", str(tmp_path / "dcp.zarr"), *common)
     # The original SwinIR's way: a state dict under "params", the model described by a config of one's own.
     torch.save({"params": torch.load(pt, weights_only=True)["model"]}, tmp_path / "swinir_x2.pth")
-    (tmp_path / "tiny.yaml").write_text("tiny:\n  base: quickstart\n  depths: [2]\n  num_heads: [2]\n  embed_dim: 16\n"
-                                        "  img_size: 16\n  window_size: 8\n  drop_path_rate: 0.0\n")
+    (tmp_path / "tiny.yaml").write_text("tiny:\n  base: quickstart\n  img_size: 16\n  model_args: {depths: [2], "
+                                        "num_heads: [2], embed_dim: 16, window_size: 8, drop_path_rate: 0.0}\n")
     run_predict(capsys, "--checkpoint", str(tmp_path / "swinir_x2.pth"), "--config", "tiny", "--config_file",
                 str(tmp_path / "tiny.yaml"), "--data_dir", str(tiny_data), "--out", str(tmp_path / "bare.zarr"), *common)
     with xr.open_zarr(sr_store) as whole:

@@ -126,3 +126,18 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tiny_data, tmp_path, caps
     assert saved, "the step before divergence should have been saved"
     state = torch.load(saved[-1], map_location="cpu", weights_only=False)["model"]
     assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+
+
+def test_the_model_is_resolved_once_per_process(tiny_data, tmp_path, monkeypatch):
+    # Its builder, spec and arguments are found once (models.resolve) and every reader takes them from there: the
+    # config's checks, the builder, the task's contract, the techniques' plan, the FLOP count, the checkpoint.
+    import models
+    import utils.tasks
+
+    calls, real = [], models.load_model_class
+    monkeypatch.setattr(models, "_RESOLVED", {})  # what earlier tests in this process resolved
+    for module in (models, utils.tasks):
+        monkeypatch.setattr(module, "load_model_class", lambda *args, **kw: calls.append(args[0]) or real(*args, **kw))
+    run_script("train.py", *tiny_args(tiny_data, tmp_path / "run", "--max_steps", "2", "--val_every", "2"),
+               in_process=True)
+    assert calls == ["models.swinir:build"]

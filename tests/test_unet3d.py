@@ -55,7 +55,8 @@ def test_sc22_model_has_its_parameter_count_and_keeps_the_crop_size():
     assert count_parameters(model) == sc22_parameter_count(4, 5, [64, 128, 256, 512, 512, 512]) == 116_977_029
     assert out.shape == (2, 5, 64, 64, 64) and model.levels == 6  # full_scale: a sixth 512 level
     assert len(model.blocks()) == 6 + 5
-    tiny = build_model(build_config("unet3d_quickstart", {"widths": [4, 8, 8], "full_scale": False}).model)
+    tiny = build_model(build_config("unet3d_quickstart", {"model_args.widths": [4, 8, 8],
+                                                          "model_args.full_scale": False}).model)
     assert count_parameters(tiny) == sc22_parameter_count(4, 5, [4, 8, 8])
     y = tiny(torch.randn(2, 4, 16, 8, 24))  # any sides divisible by 2**levels
     assert y.shape == (2, 5, 16, 8, 24) and y.abs().max() < 1  # tanh: the stored fields' range
@@ -107,7 +108,8 @@ def test_each_crop_turns_input_and_target_by_one_symmetry(pointwise_box):
 def unet_config(data_dir, **overrides):
     """The miniature run of tests/conftest.py's unet_args as a config."""
     return build_config("unet3d_quickstart", {"data_dir": str(data_dir), "batch_size": 4, "num_workers": 0,
-                                              "crop_size": 16, "widths": [4, 8], "train_samples": 16, **overrides})
+                                              "crop_size": 16, "model_args.widths": [4, 8], "train_samples": 16,
+                                              **overrides})
 
 
 @pytest.mark.parametrize("keys", [{"augment": "device"}, {"device_transforms": True, "prefetch_to_device": True}],
@@ -188,7 +190,8 @@ def test_bad_input_is_one_line(volume_data, tmp_path, capsys, extra, match):
 
 
 def test_ac_and_compile_leave_the_unet_step_unchanged_and_bf16_stays_close():
-    cfg = build_config("unet3d_quickstart", {"widths": [4, 8], "full_scale": False, "crop_size": 8})
+    cfg = build_config("unet3d_quickstart", {"model_args.widths": [4, 8], "model_args.full_scale": False,
+                                             "crop_size": 8})
     torch.manual_seed(0)
     model = build_model(cfg.model)
     generator = torch.Generator().manual_seed(1)

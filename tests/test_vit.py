@@ -40,7 +40,7 @@ def on_meta(name: str, **overrides) -> ViT:
 
 @pytest.mark.parametrize("name, overrides, expected", [
     ("vit_base", {}, 23_832_960),
-    ("vit_base", {"embed_dim": 1024}, 157_926_400),
+    ("vit_base", {"model_args.embed_dim": 1024}, 157_926_400),
     ("vit_mp", {}, 350_135_808),
 ])
 def test_parameter_counts_of_nersc_sizes(name, overrides, expected):
@@ -114,7 +114,7 @@ def test_wrong_input_size_is_a_value_error_naming_img_size():
 
 def test_img_size_not_divisible_by_patch():
     with pytest.raises(ConfigError, match="not divisible by patch_size"):
-        build_config("vit_quickstart", {"img_size": [30, 64], "patch_size": 4})
+        build_config("vit_quickstart", {"img_size": [30, 64], "model_args.patch_size": 4})
     with pytest.raises(ValueError, match="not divisible by patch_size"):
         ViT(img_size=(30, 64), patch_size=4)
 

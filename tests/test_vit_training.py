@@ -104,8 +104,9 @@ def test_resume_is_exact_and_crosses_layouts(vit_runs, vit_data, tmp_path):
 
 
 def tiny_vit():
-    cfg = build_config("vit_quickstart", {"img_size": [8, 16], "patch_size": 4, "embed_dim": 16, "depths": [2],
-                                          "num_heads": [2], "in_chans": 3, "channel_names": ["a", "b", "c"],
+    cfg = build_config("vit_quickstart", {"img_size": [8, 16], "in_chans": 3, "channel_names": ["a", "b", "c"],
+                                          "model_args": {"patch_size": 4, "embed_dim": 16, "depths": [2],
+                                                         "num_heads": [2]},
                                           "key_channels": [], "mean": [1.0, 280.0, 5.0], "std": [2.0, 20.0, 3.0]})
     torch.manual_seed(0)
     model = build_model(cfg.model)

@@ -10,7 +10,7 @@ merge key (``<<: *base``), as in NERSC's tutorials. A script does::
 and gets a :class:`Config` whose sections (``cfg.data``, ``cfg.model``, ``cfg.train``,
 ``cfg.dist``, ``cfg.profile``, ``cfg.ensemble``) are dataclasses with one documented field per key. Keys are
 unique across sections, so the command line and the YAML stay flat: ``--batch_size 4``; a model's argument is
-``--model_args.embed_dim 16``.
+``--model_args.NAME VALUE``.
 Unknown keys, unknown config names and values of the wrong type are errors that say what is valid.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import inspect
 import json
 import math
@@ -33,12 +34,12 @@ from typing import Any, Literal, Optional
 import yaml
 
 from utils.cli import OneLineParser
-from utils.config_checks import take_channel_sets, validate
-from utils.config_files import (CONFIG_DIR, MOVED_TO_MODEL_ARGS, ConfigError, fold_moved_keys, load_named_configs,
+from utils.config_checks import built_in_flat_keys, take_channel_sets, validate
+from utils.config_files import (CONFIG_DIR, BASE_KEY, ConfigError, fold_into_model_args, load_named_configs,
                                 named_config, names_another_model)
 
 # Where configs come from (utils/config_files.py) and their value checks (utils/config_checks.py), for importers:
-__all__ = ["CONFIG_DIR", "MOVED_TO_MODEL_ARGS", "ConfigError", "fold_moved_keys", "load_named_configs", "validate"]
+__all__ = ["CONFIG_DIR", "ConfigError", "load_named_configs", "validate"]
 
 
 @dataclass
@@ -116,8 +117,8 @@ class ModelConfig:
     """Folder that holds model_class's module, if it is not on PYTHONPATH (default: the folder of --config_file);
     kept in checkpoints, so that rollout.py and a resume find the model again."""
     model_args: dict[str, Any] = field(default_factory=dict)
-    """The model's own arguments, a built-in model's (embed_dim, depths, ...: its builder's, e.g. models/swinir/
-    network.py build) as yours: --model_args.NAME VALUE sets one; the config holds every one, its builder's defaults
+    """The model's own arguments, a built-in model's (its builder's, e.g. models/swinir/network.py build) as
+    yours: --model_args.NAME VALUE sets one; the config holds every one, its builder's defaults
     filled in. The data's (in_chans, out_chans, img_size, upscale, mean, std) come by name, not through here."""
     upscale: int = 2
     """SwinIR: super-resolution factor; the data's low-res input is the high-res field downsampled by it."""
@@ -336,7 +337,7 @@ class Config:
     stated: frozenset = frozenset()
     """Keys set on the command line: what the data may not replace (utils/data/era5.py's resolve_from_data)."""
     moved: frozenset = frozenset()
-    """Model arguments given by their old flat keys (:func:`fold_moved_keys`): a model that does not take one drops
+    """Model arguments given by their old flat keys (:func:`fold_old_keys`): a model that does not take one drops
     it, as every model but the built-in ones ignored those keys."""
 
     @property
@@ -456,11 +457,12 @@ def build_config(name: str, overrides: Optional[dict[str, Any]] = None, path: Op
     """
     moved: set[str] = set()  # the model arguments given by their old flat keys
     origin: dict[str, int] = {}  # where each key was said: deeper is later (named_config), the command line last
-    values = {**(script_defaults or {}), **named_config(name, path, moved, origin)}
+    values = {**(script_defaults or {}),
+              **named_config(name, path, functools.partial(fold_old_keys, moved=moved), origin)}
     overrides = dict(overrides or {})
     if isinstance(overrides.get("model_args"), str):  # a command line's mapping, as text
         overrides["model_args"] = _parse_value(overrides["model_args"])
-    overrides = fold_moved_keys(overrides, moved)
+    overrides = fold_old_keys(overrides, moved)
     args = [values.get("model_args") or {} if not names_another_model(values, overrides) else {},
             overrides.pop("model_args", None) or {}]  # another model named here: its own arguments only
     if not all(isinstance(a, dict) for a in args):
@@ -489,27 +491,45 @@ def build_config(name: str, overrides: Optional[dict[str, Any]] = None, path: Op
     return cfg
 
 
-# Keys that only some scripts apply, declared once here: any other script refuses them set away from their defaults,
-# since a user who asks train.py for --tp 2 would otherwise get one device without a sign. Every key not listed is
-# applied by every script that reads a config; scripts not in CHECKED_SCRIPTS (benchmarks) pass keys on to these.
-_DDP, _FSDP, _MP, _PP, _ESTIMATE = "train_ddp.py", "train_fsdp.py", "train_mp.py", "train_pp.py", "estimate_memory.py"
-APPLIED_BY: dict[str, tuple[str, ...]] = {
-    **dict.fromkeys(["bucket_cap_mb", "broadcast_buffers", "static_graph", "no_ddp"], (_DDP,)),
-    "gradient_as_bucket_view": (_DDP, _ESTIMATE),
-    **dict.fromkeys(["fsdp_unit", "param_dtype", "reduce_dtype"], (_FSDP, _MP, _PP, _ESTIMATE)),
-    "reshard_after_forward": (_FSDP, _MP, _ESTIMATE),  # train_pp.py keeps parameters gathered through a step
-    "hsdp_replicas": (_FSDP, _ESTIMATE),  # train_mp.py and train_pp.py shard over their own dp meshes
-    "tp": (_MP, _ESTIMATE), "parallel_order": (_MP,),
-    "cp": (_MP, _ESTIMATE),
-    **dict.fromkeys(["pp", "pp_schedule", "pp_microbatches"], (_PP, _ESTIMATE)),
-    **dict.fromkeys(["pp_split", "pp_dp"], (_PP,)),
-    "dist_timeout_s": (_DDP, _FSDP, _MP, _PP),
-    "ckpt_async": (_FSDP, _MP, _PP),
-    # The estimate traces autocast's dtypes per operation, not the kept parts' fp32 activations: it refuses them.
-    **dict.fromkeys(["keep_fp32", "fp32_modules"], ("train.py", "train_with_profiling.py", _DDP, _FSDP, _MP, _PP)),
-    **dict.fromkeys([f.name for f in dataclasses.fields(ProfileConfig)], ("train_with_profiling.py",)),
-}
-CHECKED_SCRIPTS = {"train.py", "train_with_profiling.py", _DDP, _FSDP, _MP, _PP, _ESTIMATE}
+def fold_old_keys(values: dict[str, Any], moved: Optional[set[str]] = None) -> dict[str, Any]:
+    """``values`` (a config's own keys, overrides, an older checkpoint's config) with the old flat keys of a built-in
+    model's arguments moved under model_args, said once (utils/config_files.py: fold_into_model_args); each model's
+    spec names its own (models/spec.py: ``flat_keys``), read only when a key is no config key. ``moved`` collects
+    them."""
+    strangers = [k for k in values if k not in KEYS and k not in ("config", BASE_KEY) and not k.startswith("model_args.")]
+    names = [k for k in strangers if k in built_in_flat_keys()] if strangers else []
+    if moved is not None:
+        moved.update(names)
+    return fold_into_model_args(values, names)
+
+
+# Keys that only some scripts apply: any other script refuses them set away from their defaults, since a user who asks
+# train.py for --tp 2 would otherwise get one device without a sign. Each technique declares its own beside it, in its
+# file (utils/parallel/*.py, utils/precision.py, utils/checkpoint/sharded.py: APPLIED_BY), read here as a literal from
+# the file's text: the ground floor imports none of them (the layers), and importing them all would cost every script
+# 1.5 s. Every key not listed is applied by every script that reads a config; scripts not in CHECKED_SCRIPTS
+# (benchmarks) pass keys on to these.
+CHECKED_SCRIPTS = {"train.py", "train_with_profiling.py", "train_ddp.py", "train_fsdp.py", "train_mp.py", "train_pp.py",
+                   "estimate_memory.py"}
+
+
+def _declared_keys() -> dict[str, tuple[str, ...]]:
+    """{key: the scripts that apply it}: every file of utils/ that declares APPLIED_BY, a dict literal whose keys are a
+    key or a tuple of keys; and the profile section, which train_with_profiling.py alone applies."""
+    applied: dict[str, tuple[str, ...]] = {}
+    for path in sorted(Path(__file__).parent.rglob("*.py")):
+        text = path.read_text()
+        start = text.find("\nAPPLIED_BY = {")
+        if start < 0:
+            continue
+        literal = text[start + len("\nAPPLIED_BY = "):text.index("\n}\n", start) + 2]  # the dict, to its closing line
+        for keys, scripts in ast.literal_eval(literal).items():
+            for key in (keys,) if isinstance(keys, str) else keys:
+                applied[key] = tuple(dict.fromkeys(applied.get(key, ()) + scripts))  # a key two files declare
+    return {**applied, **dict.fromkeys([f.name for f in dataclasses.fields(ProfileConfig)], ("train_with_profiling.py",))}
+
+
+APPLIED_BY = _declared_keys()
 
 
 def refuse_unapplied(cfg: Config, script: str) -> None:
@@ -518,7 +538,7 @@ def refuse_unapplied(cfg: Config, script: str) -> None:
     for key, scripts in APPLIED_BY.items():
         if script in CHECKED_SCRIPTS and script not in scripts and values[key] != defaults[key]:
             shown = json.dumps(values[key]) if isinstance(values[key], (bool, list)) else values[key]
-            if script == _ESTIMATE:
+            if script == "estimate_memory.py":
                 raise ConfigError(f"{script} does not model --{key} {shown} ({scripts[0]} applies it): estimate "
                                   "without it")
             raise ConfigError(f"--{key} {shown} is applied by {' and '.join(scripts)} only; {script} would ignore "
@@ -552,9 +572,6 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
             flag = {"nargs": "?", "const": True} if bool in (hints[f.name], *typing.get_args(hints[f.name])) else {}
             group.add_argument(f"--{f.name}", dest=f"cfg__{f.name}", metavar="V", default=argparse.SUPPRESS,
                                type=_parse_value, help=docs.get(f.name, ""), **flag)
-    for key in MOVED_TO_MODEL_ARGS:  # the old flags still read (build_config says where they moved)
-        parser.add_argument(f"--{key}", dest=f"cfg__{key}", default=argparse.SUPPRESS, type=_parse_value,
-                            help=argparse.SUPPRESS)
 
 
 def config_from_args(args: argparse.Namespace, script_defaults: Optional[dict[str, Any]] = None) -> Config:
@@ -603,6 +620,10 @@ def parse_config(description: str = "", argv: Optional[list[str]] = None, extra_
             parser.error(f"{name} needs a value")
         setattr(args, f"cfg__{name[2:]}", _parse_value(value or rest.pop(0)))
     if rest:
+        old = rest[0][2:].partition("=")[0] if rest[0].startswith("--") else ""
+        if old and old not in KEYS and old in built_in_flat_keys():  # the flag of an older version
+            parser.error(f"--{old} is a model argument now: write --model_args.{old} VALUE (in a config: model_args: "
+                         f"{{{old}: VALUE}})")
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         cfg = config_from_args(args, script_defaults)

@@ -2,7 +2,7 @@
 :func:`validate`); checks against the data are utils.data.era5.resolve_from_data's.
 
 Every model's arguments (``model_args``) are checked against its builder's signature here, and by its spec's own
-check (the built-in models': heads that divide embed_dim, ...); the model contract is checked when it is built.
+check (the built-in models': heads that divide their width, ...); the model contract is checked when it is built.
 """
 
 from __future__ import annotations
@@ -97,12 +97,6 @@ def _validate_keep_fp32(cfg) -> None:
                           "hands FSDP2's units bf16 ones: use --param_dtype fp32 with --amp_dtype (or drop --keep_fp32)")
 
 
-def _spec(m):
-    """The spec of the config's model (models/spec.py), beside the model: importing it imports torch, so only here."""
-    from models import config_spec  # noqa: PLC0415 (see the docstring)
-    return config_spec(m)
-
-
 def _built_in_names() -> list[str]:
     from models.spec import built_in_names  # noqa: PLC0415 (the folders of models/: no torch needed, but the package)
     return built_in_names()
@@ -123,6 +117,12 @@ def _validate_model_class(m) -> None:
         raise ConfigError(f"model_class must be module:Class (e.g. fno:FNO2d), got {m.model_class!r}")
 
 
+def built_in_flat_keys() -> frozenset[str]:
+    """The old flat config keys of the built-in models' arguments, as their specs name them."""
+    from models.spec import old_flat_keys  # noqa: PLC0415 (imports every built-in model's folder, torch with it)
+    return old_flat_keys()
+
+
 def _built_in_spec(name: str):
     from models.spec import built_in  # noqa: PLC0415 (a built-in model's folder imports torch: only here)
     return built_in(name)
@@ -131,15 +131,16 @@ def _built_in_spec(name: str):
 def _validate_model(cfg) -> None:
     """The model's arguments (model_args over its builder's defaults, stored back), and what its spec says: the tasks
     it trains on, and its own checks of its arguments (models/<name>/spec.py)."""
-    from models import accepted_arguments, model_arguments  # noqa: PLC0415 (imports torch: see _spec)
+    from models import resolve  # noqa: PLC0415 (the model's module, and torch with it: only once a config is checked)
     try:
-        takes = accepted_arguments(cfg.model) if cfg.moved else None
+        found = resolve(cfg.model)  # once per process: every later reader of the model takes it from there
+        takes = found.accepted if cfg.moved else None
         if takes is not None:  # an old flat key the model does not take was ignored: it still is
             cfg.model.model_args = {k: v for k, v in cfg.model.model_args.items() if k in takes or k not in cfg.moved}
-        cfg.model.model_args = model_arguments(cfg.model)
+        cfg.model.model_args = found.arguments(cfg.model.model_args, cfg.model.model_class)
     except ValueError as error:  # models.ModelError: one line that says what to do
         raise ConfigError(str(error)) from None
-    spec = _spec(cfg.model)
+    spec = found.spec
     if cfg.data.task not in spec.tasks:
         raise ConfigError(f"model {cfg.model.model} trains on task {' or '.join(spec.tasks)}, not {cfg.data.task}: use "
                           f"task {spec.tasks[0]} (--task {spec.tasks[0]}), or a model whose spec's tasks include "

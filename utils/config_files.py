@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import yaml
 
@@ -57,11 +57,11 @@ def load_named_configs(path: Optional[Path] = None, own: bool = False) -> dict[s
     return configs
 
 
-def named_config(name: str, path: Optional[Path] = None, moved: Optional[set[str]] = None,
+def named_config(name: str, path: Optional[Path] = None, fold: Optional[Callable[[dict], dict]] = None,
                  origin: Optional[dict[str, int]] = None) -> dict[str, Any]:
     """The keys of config ``name`` (from ``path``, else the project's files) with its bases merged in (:func:`over`),
-    without the ``base`` key itself. A name in ``path`` hides the project's config of the same name. ``moved``
-    collects the model arguments given by their old flat keys (:func:`fold_moved_keys`); ``origin`` gets each key's
+    without the ``base`` key itself. A name in ``path`` hides the project's config of the same name. ``fold`` reads
+    each config's old keys before it is merged (utils/config.py: fold_old_keys); ``origin`` gets each key's
     depth, higher where it was said later: the farthest base's merged-in keys (``<<:``) 0, its own 1, the next
     config's merged-in keys 2, ... (which keys follow which: utils/config_checks.py's take_channel_sets)."""
     configs = load_named_configs()
@@ -85,7 +85,8 @@ def named_config(name: str, path: Optional[Path] = None, moved: Optional[set[str
         if origin is not None else {}
     values: dict[str, Any] = {}
     for depth, link in enumerate(reversed(chain)):  # the farthest base first: each config's own keys win
-        keys = fold_moved_keys({k: v for k, v in configs[link].items() if k != BASE_KEY}, moved)
+        keys = {k: v for k, v in configs[link].items() if k != BASE_KEY}
+        keys = fold(keys) if fold is not None else keys
         values = over(values, keys)
         if origin is not None:
             origin.update({key: 2 * depth + (key in own[link]) for key in keys})
@@ -99,8 +100,8 @@ def names_another_model(values: dict[str, Any], own: dict[str, Any]) -> bool:
 
 def over(values: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
     """``own``'s keys over ``values``'s, model_args name by name (as --model_args.NAME is). The model's arguments
-    belong to its model: a config that names another model than its base does not take the base's model_args (a
-    ViT's patch_size means nothing to your model)."""
+    belong to its model: a config that names another model than its base does not take the base's model_args (another
+    model's arguments mean nothing to yours)."""
     merged = {**values, **own}
     base = {} if names_another_model(values, own) else values.get("model_args", {})
     if isinstance(base, dict) and isinstance(own.get("model_args", {}), dict):  # else build_config says what is wrong
@@ -108,20 +109,13 @@ def over(values: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-MOVED_TO_MODEL_ARGS = ("embed_dim", "depths", "num_heads", "window_size", "mlp_ratio", "qkv_bias", "drop_path_rate",
-                       "img_range", "upsampler", "resi_connection", "patch_size", "widths", "full_scale")
-"""The built-in models' own keys, flat config keys until they became model_args as any model's are: configs,
-command lines and checkpoints that still use them are read, with one line saying so (:func:`fold_moved_keys`)."""
-
 _told_moved = False
 
 
-def fold_moved_keys(values: dict[str, Any], moved: Optional[set[str]] = None) -> dict[str, Any]:
-    """``values`` (a flat config, overrides or a checkpoint's config) with the keys of :data:`MOVED_TO_MODEL_ARGS`
-    moved under model_args (its own entries win), said once per process, by rank 0; ``moved`` collects the names."""
-    names = [k for k in MOVED_TO_MODEL_ARGS if k in values]
-    if moved is not None:
-        moved.update(names)
+def fold_into_model_args(values: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """``values`` (a config's keys, overrides or a checkpoint's config) with the keys ``names`` (old flat keys of a
+    model's arguments: utils/config.py's fold_old_keys finds them) moved under model_args, whose own entries win;
+    said once per process, by rank 0."""
     if not names:
         return values
     global _told_moved
@@ -136,4 +130,3 @@ def fold_moved_keys(values: dict[str, Any], moved: Optional[set[str]] = None) ->
     folded = {k: v for k, v in values.items() if k not in names}
     folded["model_args"] = {**{k: values[k] for k in names}, **args}
     return folded
-

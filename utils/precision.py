@@ -24,6 +24,14 @@ from torch.utils._pytree import tree_map
 from models.spec import class_spec
 from utils.config import ConfigError
 
+# The config keys this file applies, and the scripts that apply them: any other script refuses them set away
+# from their defaults (utils/config.py reads every file's APPLIED_BY as a literal, without importing the file).
+APPLIED_BY = {
+    # the estimate traces autocast's dtypes per operation, not the kept parts' fp32 activations: it refuses them
+    ("keep_fp32", "fp32_modules"): ("train.py", "train_with_profiling.py", "train_ddp.py", "train_fsdp.py",
+                                    "train_mp.py", "train_pp.py"),
+}
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 

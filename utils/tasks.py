@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from models import ModelError, build_model, load_model_class, named_arguments, on_meta, units_inside
+from models import ModelError, build_model, load_model_class, on_meta, resolve, units_inside
 from utils.config import ConfigError
 from utils.data.common import DataError, evenly_spaced
 from utils.data.era5 import ERA5Dataset, channel_sets, read_climatology
@@ -83,7 +83,7 @@ class Task:
         touched), which the scripts share with the FLOP count; None: built here."""
         inputs, target = sample
         name = model_cfg.model_class
-        takes = named_arguments(model_cfg)
+        takes = resolve(model_cfg).named
         if self.physical_units and units_inside(takes):
             wanted = ("mean", "std", *(("out_mean", "out_std") if self.other_outputs else ()))
             missing = [n for n in wanted if n not in takes]

@@ -1,5 +1,5 @@
 """SwinIR's hand-written memory description (models/spec.py's ``memory``): its exact parameter counts and what each
-layer of its training step saves for backward (the vocabulary: utils/memory/shapes.py and graphs.py).
+layer of its training step saves for backward (its vocabulary: utils/memory/vocabulary.py).
 
 The training graph: the convolution and LayerNorm of the stem, per Swin block LayerNorm → window partition → qkv →
 window attention → proj → residual → LayerNorm → MLP (GELU) → residual, the RSTB convolution, the body and the
@@ -14,12 +14,9 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from utils.config import ConfigError
-from utils.memory.graphs import LN_STATS_BYTES, Layer, Precision, loss_layer, precision_for
-from utils.memory.shapes import (MEASURED_ON_CPU, ActivationGraph, MemoryDescription, add_params, conv_params,
-                                 field_size_of, lr_input_size)
-from utils.parallel.domain_parallel import band_bounds
-from utils.plan.comm import ring_allreduce_seconds
+from utils.memory.vocabulary import (LN_STATS_BYTES, MEASURED_ON_CPU, ActivationGraph, ConfigError, Layer,
+                                     MemoryDescription, Precision, Traffic, add_params, band_bounds, conv_params,
+                                     field_size_of, loss_layer, lr_input_size, precision_for)
 
 from . import network
 
@@ -196,24 +193,21 @@ class SwinIRShape(MemoryDescription):
             for part in CONV_PARTS:
                 parts[part] = parts.get(part, 0.0) * (height + 2) / height
 
-    def model_parallel_seconds(self, tp: int, cp: int, cfg, replica_batch: int, a: int, bw: float, lat: float,
-                               terms: dict) -> float:
+    def model_parallel_traffic(self, tp: int, cp: int, cfg, replica_batch: int, a: int) -> list[Traffic]:
         """tp without sequence parallelism: per Swin block 2 all-reduces forward, 2 backward; cp: halo rows, 1 per
         3x3 convolution, half a window per shifted block, both ways, forward and backward."""
         height, width = lr_input_size(cfg)
-        stream = replica_batch * height * width / cp * self.embed_dim * a
-        seconds = 0.0
+        traffic = []
         if tp > 1:
-            terms["tp all-reduce"] = 4 * self.num_blocks * ring_allreduce_seconds(stream, tp, bw, lat)
-            seconds += terms["tp all-reduce"]
+            stream = replica_batch * height * width / cp * self.embed_dim * a
+            traffic.append(Traffic("tp all-reduce", "tp", "all-reduce", stream, 4 * self.num_blocks))
         if cp > 1:
             row = replica_batch * width * self.embed_dim * a
             convs = len(self.depths) + 2
             shifted = sum(d // 2 for d in self.depths)
-            exchanges = 4 * (convs + shifted)
-            terms["cp halo exchange"] = exchanges * lat + 4 * (convs + shifted * self.window / 2) * row / bw
-            seconds += terms["cp halo exchange"]
-        return seconds
+            traffic.append(Traffic("cp halo exchange", "cp", "exchange",
+                                   4 * (convs + shifted * self.window / 2) * row, 4 * (convs + shifted)))
+        return traffic
 
     def boundary_bytes(self, cfg, micro: int, a: int) -> float:
         """A pipeline stage sends the next one its features and the long skip (fp32)."""

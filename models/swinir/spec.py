@@ -73,4 +73,6 @@ SPEC = register(ModelSpec(
     # Every LayerNorm, and the head after the body: the upsampler's convolutions, which write the output field.
     fp32_modules=("*norm*", "conv_before_upsample", "upsample", "conv_last", "conv_up1", "conv_up2", "conv_hr"),
     fresh_caches=network._cached_shift_mask.cache_clear,
+    flat_keys=("embed_dim", "depths", "num_heads", "window_size", "mlp_ratio", "qkv_bias", "drop_path_rate",
+               "img_range", "upsampler", "resi_connection"),
 ))

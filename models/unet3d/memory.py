@@ -1,5 +1,5 @@
 """SC22's U-Net's hand-written memory description (models/spec.py's ``memory``): its exact parameter counts and what
-each layer of its training step saves for backward (the vocabulary: utils/memory/shapes.py and graphs.py).
+each layer of its training step saves for backward (its vocabulary: utils/memory/vocabulary.py).
 
 The training graph: each convolution saves its input, each in-place activation its output (the same tensor as the
 next convolution's input), the up path also the concatenations [upsampled, skip]; tanh its output, L1 the
@@ -11,10 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from utils.config import ConfigError
-from utils.memory.graphs import Layer, loss_layer, precision_for
-from utils.memory.shapes import MEASURED_ON_CPU, ActivationGraph, MemoryDescription
-from utils.precision import dtype_bytes
+from utils.memory.vocabulary import (MEASURED_ON_CPU, ActivationGraph, ConfigError, Layer, MemoryDescription,
+                                     dtype_bytes, loss_layer, precision_for)
 
 
 @dataclass(frozen=True)

@@ -31,4 +31,5 @@ SPEC = register(ModelSpec(
     tasks=("volume",),
     check=check,
     fp32_modules=("last",),  # no normalisations: the last transposed convolution, which writes the output
+    flat_keys=("widths", "full_scale"),
 ))

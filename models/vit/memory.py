@@ -1,5 +1,5 @@
 """The ViT forecaster's hand-written memory description (models/spec.py's ``memory``): its exact parameter counts
-and what each layer of its training step saves for backward (the vocabulary: utils/memory/shapes.py and graphs.py).
+and what each layer of its training step saves for backward (its vocabulary: utils/memory/vocabulary.py).
 
 The training graph: normalisation → patch-embedding convolution → + position embedding, per block LayerNorm →
 q, k, v → SDPA → proj → residual → LayerNorm → fc1 → GELU → fc2 → residual, then LayerNorm → head → unpatchify →
@@ -14,12 +14,9 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from utils.config import ConfigError
-from utils.memory.graphs import LN_STATS_BYTES, Layer, loss_layer
-from utils.memory.shapes import MEASURED_ON_CPU, ActivationGraph, MemoryDescription, add_params, conv_params
-from utils.parallel.context_parallel import band_rows
-from utils.plan.comm import ring_allgather_seconds
-from utils.precision import dtype_bytes
+from utils.memory.vocabulary import (LN_STATS_BYTES, MEASURED_ON_CPU, ActivationGraph, ConfigError, Layer,
+                                     MemoryDescription, Traffic, add_params, band_rows, conv_params, dtype_bytes,
+                                     loss_layer)
 
 
 @dataclass(frozen=True)
@@ -141,23 +138,20 @@ class ViTShape(MemoryDescription):
         return ActivationGraph(graph, p.label, p.weight_copies, kernel, vit, vit, batch * (band or self.tokens),
                                setting)
 
-    def model_parallel_seconds(self, tp: int, cp: int, cfg, replica_batch: int, a: int, bw: float, lat: float,
-                               terms: dict) -> float:
+    def model_parallel_traffic(self, tp: int, cp: int, cfg, replica_batch: int, a: int) -> list[Traffic]:
         """tp with sequence parallelism: per block 2 all-gathers and 2 reduce-scatters forward, as many backward; cp:
         the keys and values of all bands gathered forward, their gradients reduce-scattered backward."""
         tokens = replica_batch * self.tokens
-        stream = tokens / cp * self.embed_dim * a  # this cp rank's tokens, gathered over tp
-        seconds = 0.0
+        traffic = []
         if tp > 1:
-            terms["tp all-gather/reduce-scatter"] = 8 * self.depth * ring_allgather_seconds(stream, tp, bw, lat)
-            seconds += terms["tp all-gather/reduce-scatter"]
+            stream = tokens / cp * self.embed_dim * a  # this cp rank's tokens, gathered over tp
+            traffic.append(Traffic("tp all-gather/reduce-scatter", "tp", "all-gather", stream, 8 * self.depth))
         if cp > 1:
             kv = tokens * self.embed_dim / tp * a
             field = replica_batch * self.in_chans * self.img_size[0] * self.img_size[1] * 4
-            terms["cp key/value gather"] = 4 * self.depth * ring_allgather_seconds(kv, cp, bw, lat) \
-                + 2 * ring_allgather_seconds(field, cp, bw, lat)
-            seconds += terms["cp key/value gather"]
-        return seconds
+            traffic += [Traffic("cp key/value gather", "cp", "all-gather", kv, 4 * self.depth),
+                        Traffic("cp key/value gather", "cp", "all-gather", field, 2)]
+        return traffic
 
     def boundary_bytes(self, cfg, micro: int, a: int) -> float:
         """A pipeline stage sends the next one its tokens."""

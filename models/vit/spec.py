@@ -68,4 +68,5 @@ SPEC = register(ModelSpec(
     tasks=("forecast", "diagnostic"),
     check=check,
     fp32_modules=("*norm*", "head"),  # every LayerNorm, and the head that writes the output patches
+    flat_keys=("patch_size", "embed_dim", "depths", "num_heads", "mlp_ratio", "qkv_bias", "drop_path_rate"),
 ))

@@ -36,6 +36,12 @@ from utils.checkpoint.files import (DCP_METADATA, TEMP_PREFIX, CheckpointError, 
                                     note_write_time, replaced_atomically, write_failure)
 from utils.checkpoint.state import TrainState, check_model_settings
 
+# The config keys this file applies, and the scripts that apply them: any other script refuses them set away
+# from their defaults (utils/config.py reads every file's APPLIED_BY as a literal, without importing the file).
+APPLIED_BY = {
+    "ckpt_async": ("train_fsdp.py", "train_mp.py", "train_pp.py"),
+}
+
 
 def _is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0

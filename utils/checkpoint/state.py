@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from utils.checkpoint.files import CheckpointError
-from utils.config import fold_moved_keys
+from utils.config import fold_old_keys
 
 WRAPPER_COMPONENTS = frozenset({"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 """Key components added by DDP / DataParallel, torch.compile, activation checkpointing and FSDP1."""
@@ -34,7 +34,7 @@ class TrainState:
 def check_model_settings(saved: dict, cfg, path) -> None:
     """A resume must build the model that the checkpoint holds: name the model keys (and model_args) whose values
     differ; a checkpoint of an older version gives its model's arguments as flat keys."""
-    saved = fold_moved_keys(saved)
+    saved = fold_old_keys(saved)
     differ = [f"{f.name} {getattr(cfg.model, f.name)!r} (checkpoint: {saved[f.name]!r})"
               for f in dataclasses.fields(cfg.model) if f.name in saved and f.name not in ("model_path", "model_args")
               and saved[f.name] != getattr(cfg.model, f.name)]  # model_path: where, not what

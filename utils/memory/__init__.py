@@ -29,5 +29,6 @@ attention kernels (the trace runs the CPU's), and tensor, context and pipeline p
 The trace is closer on the peak itself (-11 % to +8 % of the median measured peak on CPU, one outlier at +22 % in a
 run-to-run range that reaches it; the hand-written total -25 % to +39 %): the table is in :mod:`utils.memory.traced`.
 
-shapes ← graphs ← estimate ← measure ← traced (each imports only those to its left).
+shapes ← graphs ← estimate ← measure ← traced (each imports only those to its left); :mod:`utils.memory.vocabulary`,
+beside them, is all of utils/ that a hand-written description (models/<name>/memory.py) imports.
 """

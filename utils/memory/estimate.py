@@ -308,8 +308,7 @@ def _fsdp_params(units: list[float], num_params: float, sharded: float, param_by
                  reshard_after_forward: bool) -> tuple[dict[str, float], float]:
     """FSDP2 parameters per rank: fp32 shards, plus the unsharded (all-gathered, param_dtype) copies of
     the root's parameters and of the units in flight; and the parameter count of the largest unit."""
-    # SwinIR's root: stem, body, upsampler (and RSTB convs for unit "block"); the ViT's: patch and
-    # position embeddings, final norm, head.
+    # The root: what no unit holds (a model's stem, embeddings, body convolutions, final norm, head).
     root = num_params - sum(units)
     # The current unit and the prefetched next one; without resharding, every unit stays gathered.
     in_flight = 2 * max(units) if reshard_after_forward else sum(units)

@@ -10,7 +10,7 @@ written beside it, in its hand-written memory description (``models/swinir/memor
 activations); :func:`simulate_peak` walks the same list as autograd walks it: forward adds what each layer
 saves; backward, in reverse, frees it once the layer's backward has run, re-creates a checkpointed unit's
 tensors when backward reaches it, and adds each layer's transient tensors (gradients in flight, attention
-logits and their gradients, the upsampler's high-res gradients) — the estimate's temporary peak.
+logits and their gradients, a super-resolver's high-res output gradients) — the estimate's temporary peak.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class Layer:
     """One operation of the training graph, in forward order, for the memory bookkeeping (bytes)."""
 
     part: str
-    """Category it is reported under (stem, swin_blocks, rstb_convs, body, upsampler, loss)."""
+    """Category it is reported under: a part of the model, as its description names them (stem, blocks, loss...)."""
     saved: float
     """Saved for backward; freed once its backward has run (shared tensors: by the first holder)."""
     forward_extra: float = 0.0

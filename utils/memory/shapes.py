@@ -62,6 +62,23 @@ class ActivationGraph:
     """What the printout adds about the input (the field and where its size came from, the patch size, ...)."""
 
 
+@dataclass(frozen=True)
+class Traffic:
+    """What a model's tensor or context parallelism sends per step, said in bytes and ranks, not seconds: the planner
+    times it on a cluster's links (utils/plan/comm.py: ``traffic_seconds``), the estimate needs no link."""
+
+    term: str
+    """Its name in the plan's breakdown (traffics of one name add up to one term)."""
+    group: str
+    """The ranks it runs over: "tp" or "cp"."""
+    kind: str
+    """"all-reduce"; "all-gather" (or reduce-scatter: the same ring steps); "exchange": point-to-point messages."""
+    nbytes: float
+    """A collective's full (gathered) size; an exchange's: all its messages' bytes together."""
+    count: int = 1
+    """How many such collectives a step runs; an exchange's: how many messages (each pays the link's latency)."""
+
+
 MEASURED_ON_CPU = "exact (measured on CPU)"
 """A built-in description's activations on CPU: its graph was measured there, op by op (utils/memory/measure.py)."""
 
@@ -130,10 +147,10 @@ class MemoryDescription:
     def adjust_held(self, parts: dict[str, float], graph: ActivationGraph, cp: int) -> None:
         """Corrects the held activations per part where the graph of one band is not the whole story (halos)."""
 
-    def model_parallel_seconds(self, tp: int, cp: int, cfg, replica_batch: int, a: int, bw: float, lat: float,
-                               terms: dict) -> float:
-        """Seconds of tensor- and context-parallel collectives per step (``terms``: each by name, added to)."""
-        return 0.0
+    def model_parallel_traffic(self, tp: int, cp: int, cfg, replica_batch: int, a: int) -> list[Traffic]:
+        """What tensor and context parallelism send per step (``a``: bytes per activation element); the planner
+        times it."""
+        return []
 
     def boundary_bytes(self, cfg, micro: int, a: int) -> float:
         """Bytes a pipeline stage sends the next one per microbatch."""

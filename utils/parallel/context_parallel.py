@@ -35,12 +35,18 @@ from utils.config import ConfigError
 from utils.parallel.domain_parallel import apply_domain_parallel
 from utils.parallel.plans import FieldPlan, TokenPlan, missing_plan, model_plan
 
+# The config keys this file applies, and the scripts that apply them: any other script refuses them set away
+# from their defaults (utils/config.py reads every file's APPLIED_BY as a literal, without importing the file).
+APPLIED_BY = {
+    "cp": ("train_mp.py", "estimate_memory.py"),  # and domain_parallel.py's bands
+}
+
 
 def band_rows(rows: int, cp: int) -> list[int]:
     """Token rows per cp rank: as even as possible, the larger bands first (45 over 2 -> [23, 22])."""
     if cp > rows:
         raise ConfigError(f"cp {cp} is larger than the {rows} rows of patch tokens: each cp rank needs at least "
-                          f"one row; use --cp {rows} or fewer (or a smaller patch_size)")
+                          f"one row; use --cp {rows} or fewer (or smaller patches)")
     return [rows // cp + (r < rows % cp) for r in range(cp)]
 
 

@@ -21,6 +21,13 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from utils.config import ConfigError
 
+# The config keys this file applies, and the scripts that apply them: any other script refuses them set away
+# from their defaults (utils/config.py reads every file's APPLIED_BY as a literal, without importing the file).
+APPLIED_BY = {
+    "parallel_order": ("train_mp.py",),
+    "dist_timeout_s": ("train_ddp.py", "train_fsdp.py", "train_mp.py", "train_pp.py"),
+}
+
 
 @dataclass(frozen=True)
 class DistEnv:

@@ -27,6 +27,16 @@ from utils.parallel.plans import ac_units
 from utils.parallel.versions import average_fsdp_gradients
 from utils.precision import DTYPES
 
+# The config keys this file applies, and the scripts that apply them: any other script refuses them set away
+# from their defaults (utils/config.py reads every file's APPLIED_BY as a literal, without importing the file).
+APPLIED_BY = {
+    ("fsdp_unit", "param_dtype", "reduce_dtype"): ("train_fsdp.py", "train_mp.py", "train_pp.py", "estimate_memory.py"),
+    # train_pp.py keeps parameters gathered through a step
+    "reshard_after_forward": ("train_fsdp.py", "train_mp.py", "estimate_memory.py"),
+    # train_mp.py and train_pp.py shard over their own dp meshes
+    "hsdp_replicas": ("train_fsdp.py", "estimate_memory.py"),
+}
+
 HSDP_DIMS = ("replicate", "shard")
 
 
@@ -74,7 +84,7 @@ def apply_fsdp(model: nn.Module, cfg, device: torch.device, mesh: Optional[Devic
     several microbatches' forwards before their backwards).
 
     Units are sharded first so that each unit's parameters are gathered just before it runs and
-    freed after; the root then owns what is left (convolutions, norms, upsampler). The model must
+    freed after; the root then owns what is left (convolutions, norms, the head). The model must
     be initialised identically on every rank (same seed): fully_shard does not broadcast, it keeps
     each rank's slice of its own copy.
 

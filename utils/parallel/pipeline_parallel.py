@@ -43,6 +43,13 @@ from utils.parallel.plans import StagePlan, missing_plan, model_plan
 from utils.parallel.versions import check_schedule, keep_every_p2p_work
 from utils.precision import autocast
 
+# The config keys this file applies, and the scripts that apply them: any other script refuses them set away
+# from their defaults (utils/config.py reads every file's APPLIED_BY as a literal, without importing the file).
+APPLIED_BY = {
+    ("pp", "pp_schedule", "pp_microbatches"): ("train_pp.py", "estimate_memory.py"),
+    ("pp_split", "pp_dp"): ("train_pp.py",),
+}
+
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
              "zbv": ScheduleZBVZeroBubble}
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zbv": 2}
@@ -91,7 +98,7 @@ def check_pipeline(cfg, pp: int, replica_batch: int, n_units: int, units_name: s
     if n_stages > n_units:
         raise ConfigError(f"{n_stages} pipeline stages (pp {pp} x {STAGES_PER_RANK[d.pp_schedule]} for "
                           f"{d.pp_schedule}) but the {units_name} are only {n_units} units to cut: "
-                          "use a smaller pp, or a deeper model (SwinIR: more RSTBs in --model_args.depths)")
+                          "use a smaller pp, or a model of more units (its --model_args)")
     if d.pp_split and (len(d.pp_split) != n_stages or sum(d.pp_split) != n_units):
         raise ConfigError(f"pp_split {d.pp_split} must give units for each of the {n_stages} stages, {n_units} in all")
     return n_stages

@@ -24,6 +24,13 @@ from torch.nn.parallel import DistributedDataParallel
 from utils.config import ConfigError
 from utils.parallel.plans import ac_units
 
+# The config keys this file applies, and the scripts that apply them: any other script refuses them set away
+# from their defaults (utils/config.py reads every file's APPLIED_BY as a literal, without importing the file).
+APPLIED_BY = {
+    ("bucket_cap_mb", "broadcast_buffers", "static_graph", "no_ddp"): ("train_ddp.py",),
+    "gradient_as_bucket_view": ("train_ddp.py", "estimate_memory.py"),
+}
+
 
 def apply_ac(model: nn.Module, mode: str) -> nn.Module:
     """Activation checkpointing per block ("block") or per SwinIR RSTB ("layer"); "none" does nothing.
@@ -63,7 +70,7 @@ def apply_compile(model: nn.Module, enabled: bool, backend: str = "inductor", cu
         raise ConfigError("cuda_graphs records CUDA kernels; this model is not on a CUDA device: drop --cuda_graphs "
                           "(or run on a GPU)")
     blocks = ac_units(model, "block", required=False) or [model]  # no units: the model as one
-    # Each block may differ (SwinIR's shift, a drop-path rate, the U-Net's widths) and compile once more for
+    # Each block may differ (a shifted window, a drop-path rate, a level's width) and compile once more for
     # validation (no_grad) and, under autocast, for an fp32 and a low-precision input: a limit per block.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(blocks))
     for block in blocks:

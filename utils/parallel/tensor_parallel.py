@@ -35,6 +35,12 @@ from utils.config import ConfigError
 from utils.parallel.plans import missing_plan, model_plan
 from utils.parallel.versions import replicated_convolutions_locally
 
+# The config keys this file applies, and the scripts that apply them: any other script refuses them set away
+# from their defaults (utils/config.py reads every file's APPLIED_BY as a literal, without importing the file).
+APPLIED_BY = {
+    "tp": ("train_mp.py", "estimate_memory.py"),
+}
+
 
 def _heads_of_this_rank(attn: nn.Module, mesh) -> None:
     """After qkv: (windows, N, 3 * D) sharded by columns -> this rank's heads of q, k and v, a local tensor.
@@ -63,10 +69,10 @@ def _heads_of_this_rank(attn: nn.Module, mesh) -> None:
         relative_position_index=attn.relative_position_index))
 
 
-def check_heads(num_heads: int, tp: int) -> None:
-    if num_heads % tp:
-        raise ConfigError(f"num_heads {num_heads} is not divisible by tp {tp}: each tp rank holds whole heads; "
-                          f"use a tp that divides {num_heads}")
+def check_heads(heads: int, tp: int) -> None:
+    if heads % tp:
+        raise ConfigError(f"{heads} attention heads are not divisible by tp {tp}: each tp rank holds whole heads; "
+                          f"use a tp that divides {heads}")
 
 
 def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:

@@ -65,3 +65,19 @@ def ring_allgather_seconds(nbytes: float, ranks: int, busbw: float, latency: flo
     if ranks < 2 or nbytes <= 0:
         return 0.0
     return (ranks - 1) * latency + nbytes * (ranks - 1) / ranks / busbw
+
+
+def traffic_seconds(traffic: list, ranks: dict[str, int], busbw: float, latency: float, terms: dict) -> float:
+    """Seconds of what a model's tensor and context parallelism send per step (a memory description's
+    ``utils.memory.shapes.Traffic``: bytes over a group), on links of ``busbw``; ``ranks``: each group's size;
+    ``terms``: each by name, added to. An exchange is point-to-point: each message pays the latency once."""
+    own: dict[str, float] = {}
+    for t in traffic:
+        if t.kind == "exchange":
+            seconds = t.count * latency + t.nbytes / busbw
+        else:
+            ring = ring_allreduce_seconds if t.kind == "all-reduce" else ring_allgather_seconds
+            seconds = t.count * ring(t.nbytes, ranks[t.group], busbw, latency)
+        own[t.term] = own.get(t.term, 0.0) + seconds
+    terms.update(own)
+    return sum(own.values())

@@ -32,7 +32,8 @@ from utils.memory.shapes import has_description, model_shape
 from utils.parallel.plans import ac_units
 from utils.parallel.pipeline_parallel import bubble_theory
 from utils.plan.clusters import Cluster
-from utils.plan.comm import ddp_buckets, node_busbw, predict_step, ring_allgather_seconds, ring_allreduce_seconds
+from utils.plan.comm import (ddp_buckets, node_busbw, predict_step, ring_allgather_seconds, ring_allreduce_seconds,
+                             traffic_seconds)
 from utils.layouts.accepted import PRECISIONS, Layout
 
 MiB = 2**20
@@ -111,7 +112,8 @@ def predict_speed(layout: Layout, cfg, cluster: Cluster, flops_per_sample: float
     exposed = exposed_dp
     replica_batch = batch // layout.dp
     if shape is not None and (layout.tp > 1 or layout.cp > 1):
-        exposed += shape.model_parallel_seconds(layout.tp, layout.cp, cfg, replica_batch, act_bytes, inner, lat, terms)
+        traffic = shape.model_parallel_traffic(layout.tp, layout.cp, cfg, replica_batch, act_bytes)
+        exposed += traffic_seconds(traffic, {"tp": layout.tp, "cp": layout.cp}, inner, lat, terms)
     bubble = 0.0
     if layout.pp > 1:
         # ZB-V's zero bubble assumes equal forward, input- and weight-gradient times (bench_pp.py measured 5-18 % idle
