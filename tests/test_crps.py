@@ -21,10 +21,13 @@ from scores.probability import crps_for_ensemble
 
 from tests.conftest import (VIT_STEPS, assert_layout_equal, check_layouts, exit_in_one_process, resume_from,
                             run_script, run_then_resume, vit_args, weights_at)
+from tests.plan_memory import assert_within
 from tests.test_mp import VIT_TINY
 from tests.test_vit_training import assert_equals_single_device, assert_resumed_equals_single_device
 from utils.config import ConfigError, build_config
 from utils.parallel.ensemble import Members
+from utils.plan.clusters import load_cluster
+from utils.plan.planner import plan
 from utils.training import build_loss, crps
 
 CRPS = ("--ensemble", "4", "--loss", "crps")
@@ -140,3 +143,20 @@ def test_a_resumed_crps_run_is_bit_identical(crps_runs, vit_data, tmp_path):
     run_script("train.py", *vit_args(vit_data, run, *VIT_STEPS, *CRPS, "--resume"), in_process=True)
     for key, value in weights_at(single, 7).items():
         torch.testing.assert_close(weights_at(run, 7)[key], value, rtol=0, atol=0, msg=key)
+
+
+def test_the_estimate_knows_the_members(crps_runs, vit_data):
+    # 2 of the 4 members per rank (ens 2): their forwards' activations, and FSDP's shards over dp x ens, within 10 %
+    # of what the run measured.
+    ens2 = crps_runs["ens2"]
+    assert_within(ens2, vit_args(vit_data, ens2, *VIT_STEPS, *CRPS, "--ens", "2"), 2)
+
+
+def test_plan_ranks_ens_against_dp():
+    cfg = build_config("vit_base", {"ensemble": 4, "loss": "crps", "batch_size": 4})
+    rows = plan(cfg, load_cluster("perlmutter-a100-40"), nodes=2)
+    names = [row.layout.name() for row in rows]
+    assert "dp4 x ens2" in names and "dp2 x ens4" in names  # beside dp8's (batch 4: none) and tp/cp's
+    ens = next(row for row in rows if row.layout.ens == 2)
+    assert ens.speed.terms["ensemble gather"] > 0 and "--ens 2" in ens.command
+    assert ens.estimate.setting["members_per_rank"] == 2
