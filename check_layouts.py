@@ -6,11 +6,12 @@
     python check_layouts.py --config unet3d_quickstart --crop_size 16   # the U-Net: DDP, FSDP, HSDP only
     python check_layouts.py --config_file my_model.yaml --config my_model --nproc 2
     python check_layouts.py --config vit_quickstart --only cp --left_out cp_reduction   # also cp without it: FAIL
+    python check_layouts.py --config vit_quickstart --ensemble 4 --loss crps --nproc 2  # members on ens 2 (Part V)
 
 It starts --nproc CPU processes itself (gloo; torchrun's variables, so `torchrun --nproc-per-node 4
 check_layouts.py ...` works too) and runs every layout the model's plan (utils/parallel/plans.py: model_plan)
 supports — DDP, FSDP and HSDP; where the plan has them, tensor parallel (tp), context parallel (cp), both, and a
-pipeline (pp) with each schedule — through the functions and in the order of its training script
+pipeline (pp) with each schedule; with --ensemble M, the members shared out over ens ranks — through the functions and in the order of its training script
 (utils/layouts/equivalence.py). Each trains a copy of the same initial weights for --steps AdamW steps (the
 config's optimizer, without warm-up) on the same random global batches, shaped as the config's task feeds the
 model (sr: low-res fields in, img_size x upscale out; forecast: img_size fields in and out; volume: crop_size
@@ -63,7 +64,7 @@ from utils.layouts.accepted import SCHEDULES, Layout
 from utils.stopping import StepWatchdog, stop_watching
 from utils.training import build_loss, build_optimizer, exit_process, run_cli, scaled_lr
 
-TECHNIQUES = ("ddp", "fsdp", "hsdp", "tp", "cp", "pp")
+TECHNIQUES = ("ddp", "fsdp", "hsdp", "tp", "cp", "ens", "pp")
 WATCH_VARIABLE = "CHECK_LAYOUTS_WATCH_DIR"
 """The launcher's folder, given to its ranks: each rank's step watchdog writes its stack there (if it hangs) and
 touches its beat file there at every step, which the launcher watches."""
@@ -164,6 +165,9 @@ def layouts(plan, world: int, cfg: Config, left_out: str = "") -> list[Row]:
         rows.append(Row(layout.name(), frozenset(sizes), layout, why and f"not in the model's plan ({why})"))
         if left_out == "cp_reduction" and "cp" in sizes and not why:
             rows.append(Row(f"{layout.name()} without {left_out}", frozenset(sizes), layout, left_out=left_out))
+    if cfg.train.ensemble > 1:  # --ensemble M --loss crps: the members shared out over ens ranks
+        layout = Layout("train_mp.py", "mp", ens=max(cfg.dist.ens, 2), **common)
+        rows.append(Row(layout.name(), frozenset(["ens"]), layout))
     if not plan.stages:
         return rows + [Row(f"pp{pp} ({', '.join(SCHEDULES)})", frozenset(["pp"]),
                            why="not in the model's plan (no pipeline cuts)")]

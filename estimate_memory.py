@@ -97,6 +97,9 @@ def format_table(estimate: MemoryEstimate, shape: MemoryDescription) -> str:
         ranks += f", each block split over {s['tp']} ranks (tp)"
     if s.get("pp", 1) > 1:
         ranks += f", {s['pp']} pipeline stages ({s['pp_schedule']}, {s['pp_microbatches']} microbatches)"
+    if s.get("members_per_rank", 1) > 1:  # --ensemble M: each member one more input per sample
+        ranks += f", {s['members_per_rank']} ensemble members per sample per rank" + (
+            f" (ens {s['ens']})" if "ens" in s else "")
     lines = [f"{s['model']} training memory estimate — config {s['config']}: {s['num_params']:,} parameters, {ranks}",
              shape.input_line(s)]
     if "field" in s:

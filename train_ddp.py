@@ -28,6 +28,7 @@ from utils.data import build_loaders
 from utils.observe.flops import train_flops_per_sample
 from utils.observe.logger import MetricsLogger
 from utils.parallel.distributed import cleanup_distributed, init_distributed
+from utils.parallel.ensemble import Members
 from utils.parallel.techniques import apply_ac, apply_compile, apply_ddp
 from utils.precision import apply_keep_fp32, autocast, make_grad_scaler
 from utils.tasks import build_task
@@ -65,6 +66,7 @@ def main():
     optimizer, scheduler = build_optimizer(model, cfg, steps_per_epoch, device)
     scaler = make_grad_scaler(device, tcfg.amp_dtype)
     loss_fn = build_loss(cfg)
+    members = Members(cfg, dp=(env.rank, env.world_size))  # --ensemble M: every member of each sample here
     state = TrainState()
     ckpt_dir = f"{tcfg.run_dir}/checkpoints"
     latest, resumed = load_newest(ckpt_dir, tcfg.resume, load=lambda path: restore_payload(
@@ -107,8 +109,8 @@ def main():
             seed_step(tcfg.seed, state.step, env.rank)  # stochastic-depth draws: a function of (seed, step, rank)
             optimizer.zero_grad(set_to_none=True)
             with autocast(device, tcfg.amp_dtype):
-                pred = model(inputs)
-            loss = loss_fn(pred.float(), target)  # the loss in fp32 and in physical units
+                pred = model(members.inputs(inputs, state.step))  # --ensemble M: M noisy copies of each sample
+            loss = loss_fn(members.gather(pred.float()), target)  # fp32, physical units; CRPS: all members
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()

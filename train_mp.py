@@ -40,6 +40,7 @@ from utils.parallel.distributed import (build_mp_mesh, cleanup_distributed,
                                         init_distributed)
 from utils.parallel.domain_parallel import band_loss, field_bands
 from utils.parallel.fsdp import apply_fsdp, memory_record
+from utils.parallel.ensemble import Members
 from utils.parallel.techniques import apply_ac, apply_compile
 from utils.parallel.tensor_parallel import apply_tp
 from utils.precision import apply_keep_fp32, autocast, make_grad_scaler
@@ -57,7 +58,7 @@ def main():
     seed_everything(tcfg.seed)
     configure_backends(cfg)
     d = cfg.dist
-    mesh, dp_cp_mesh = build_mp_mesh(env.world_size, d.tp, d.cp, d.parallel_order, device)
+    mesh, dp_cp_mesh = build_mp_mesh(env.world_size, d.tp, d.cp, d.parallel_order, device, d.ens)
     dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
 
     # ------------------------------------------------------------------------------------------- Data
@@ -88,6 +89,7 @@ def main():
     optimizer, scheduler = build_optimizer(model, cfg, steps_per_epoch, device)  # on the local shards
     scaler = make_grad_scaler(device, tcfg.amp_dtype)
     loss_fn = band_loss(build_loss(cfg), bands)  # SwinIR under cp: this band's share of the field's loss
+    members = Members(cfg, mesh, bands, dp=(dp_rank, dp_size))  # --ensemble M: ensemble / ens of them here
     state = TrainState()
     ckpt_dir = f"{tcfg.run_dir}/checkpoints"
     latest, resumed = load_newest(ckpt_dir, tcfg.resume, sharded=True, load=lambda path: load_sharded_checkpoint(
@@ -130,8 +132,8 @@ def main():
             seed_step(tcfg.seed, state.step, dp_rank)  # the ranks of one replica draw the same drop-path masks
             optimizer.zero_grad(set_to_none=True)
             with autocast(device, tcfg.amp_dtype), activations.counting(book.first_step):
-                pred = model(inputs)
-            loss = loss_fn(pred.float(), target)  # the loss in fp32 and in physical units
+                pred = model(members.inputs(inputs, state.step))  # --ensemble M: M noisy copies of each sample
+            loss = loss_fn(members.gather(pred.float()), target)  # fp32, physical units; CRPS: all members
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()

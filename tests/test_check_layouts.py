@@ -52,7 +52,7 @@ def test_a_full_plan_gets_every_layout_and_the_config_sizes_them():
     only = {row.label for row in rows if row.uses <= check_layouts.techniques("tp,pp")}
     assert only == {"dp2 x tp4", "dp4 x pp2 gpipe m2", "dp4 x pp2 1f1b m2", "dp4 x pp2 interleaved_1f1b m2",
                     "dp4 x pp2 zbv m2"}
-    with pytest.raises(argparse.ArgumentTypeError, match="give some of ddp,fsdp,hsdp,tp,cp,pp"):
+    with pytest.raises(argparse.ArgumentTypeError, match="give some of ddp,fsdp,hsdp,tp,cp,ens,pp"):
         check_layouts.techniques("tp,zero3")
 
 
@@ -78,7 +78,7 @@ def test_batches_have_the_shapes_of_the_task(name, shapes):
     (("--nproc", "3"), "error: 3 processes: give an even number, 2 or more (--nproc 4 runs every layout)"),
     (("--batch", "6"), "error: --steps 3, --batch 6: give 1 or more steps, and a batch that the 4 processes divide"),
     (("--only", "tp,zero3"), "check_layouts.py: error: argument --only: 'tp,zero3': give some of ddp,fsdp,hsdp,tp,"
-                             "cp,pp, joined by commas"),
+                             "cp,ens,pp, joined by commas"),
 ])
 def test_bad_input_is_one_line(capsys, extra, message):
     code, err = exit_in_one_process(capsys, "check_layouts.py", "--config", "vit_quickstart", *extra)

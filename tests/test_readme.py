@@ -113,6 +113,10 @@ CPU_RUN = {
     "torchrun --standalone --nproc-per-node 2 predict.py --checkpoint runs/vit_quickstart --out "
     "runs/vit_quickstart/ensemble_2ranks.zarr --steps 4 --times 2015-01-01 --members 8 --perturbation spherical "
     "--correlation_km 1000": "... --progress never",
+    "python train.py --config vit_quickstart --ensemble 4 --loss crps --run_dir runs/vit_crps":
+        "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 4 --batch_size 4",
+    "torchrun --standalone --nproc-per-node 2 train_mp.py --config vit_quickstart --ensemble 4 --loss crps --ens 2 "
+    "--run_dir runs/vit_crps_ens2": "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 4 --batch_size 4",
     # docs/beyond-data-parallel.md
     "torchrun --standalone --nproc-per-node 2 train_mp.py --config vit_quickstart --tp 2 --run_dir runs/vit_tp2":
         "... --max_steps 2 --log_every 1 --val_every 2 --val_samples 4 --batch_size 4",

@@ -54,9 +54,10 @@ def validate(cfg) -> None:
     if cfg.dist.pp < 1 or cfg.dist.pp_microbatches < 1 or any(n < 1 for n in cfg.dist.pp_split):
         raise ConfigError(f"pp and pp_microbatches must be >= 1 and pp_split entries >= 1, got pp {cfg.dist.pp}, "
                           f"pp_microbatches {cfg.dist.pp_microbatches}, pp_split {cfg.dist.pp_split}")
-    if sorted(cfg.dist.parallel_order.split("-")) != ["cp", "dp", "tp"]:
-        raise ConfigError(f"parallel_order must name tp, cp and dp once each, joined by '-' (e.g. tp-cp-dp), "
-                          f"got {cfg.dist.parallel_order!r}")
+    if sorted(cfg.dist.parallel_order.split("-")) not in (["cp", "dp", "tp"], ["cp", "dp", "ens", "tp"]):
+        raise ConfigError(f"parallel_order must name tp, cp and dp once each (and ens, or not), joined by '-' (e.g. "
+                          f"tp-cp-dp), got {cfg.dist.parallel_order!r}")
+    _validate_ensemble_training(t, cfg.dist)
     if len(m.mean) != len(m.std) or (m.mean and len(m.mean) != m.in_chans):
         raise ConfigError(f"mean and std need {m.in_chans} values each (in_chans), or both empty "
                           f"(= from <data_dir>/stats); got {len(m.mean)} and {len(m.std)}")
@@ -82,6 +83,20 @@ def validate(cfg) -> None:
     if cfg.dist.base_batch_size <= 0 or cfg.dist.warmup_steps < 0:
         raise ConfigError(f"base_batch_size must be > 0 and warmup_steps >= 0, got {cfg.dist.base_batch_size} and "
                           f"{cfg.dist.warmup_steps}")
+
+
+def _validate_ensemble_training(t, d) -> None:
+    """The CRPS needs members, and members need the CRPS; ens shares them out evenly."""
+    if t.ensemble < 1 or d.ens < 1:
+        raise ConfigError(f"ensemble and ens must be >= 1, got ensemble {t.ensemble}, ens {d.ens}")
+    if (t.loss == "crps") != (t.ensemble > 1):
+        raise ConfigError(f"loss crps compares the members of an ensemble and an ensemble trains on the CRPS: set "
+                          f"--loss crps with --ensemble 2 or more (got loss {t.loss}, ensemble {t.ensemble})")
+    if t.ensemble % d.ens:
+        raise ConfigError(f"ens {d.ens} must divide ensemble {t.ensemble}: each ens rank holds as many members")
+    if not (0 < t.crps_alpha <= 1 and 0 <= t.member_noise < math.inf):
+        raise ConfigError(f"crps_alpha must be in (0, 1] and member_noise >= 0, got {t.crps_alpha} and "
+                          f"{t.member_noise}")
 
 
 def _validate_keep_fp32(cfg) -> None:

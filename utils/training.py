@@ -94,7 +94,26 @@ def l1_with_density(pred: torch.Tensor, target: torch.Tensor, lambda_rho: float)
     return F.l1_loss(pred, target) + lambda_rho * density
 
 
-LOSSES = {"l1": F.l1_loss, "mse": F.mse_loss, "relative_l2": relative_l2}
+def crps(members: torch.Tensor, target: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """The almost fair CRPS of AIFS-CRPS (Lang et al. 2024, arXiv:2412.15832, section 2) of ``members`` (M, B, ...)
+    against ``target`` (B, ...), averaged over the samples and cells: per cell, with ε = (1 − alpha) / M,
+
+        afCRPS = 1 / (2 M (M − 1)) Σ_j Σ_{k≠j} (|x_j − y| + |x_k − y| − (1 − ε) |x_j − x_k|)
+               = mean_j |x_j − y| − (1 − ε) / (2 M (M − 1)) Σ_{j,k} |x_j − x_k|,
+
+    which is alpha × the fair CRPS + (1 − alpha) × the ensemble's plain CRPS. alpha = 1 is the fair CRPS, unbiased for
+    the members' distribution; the paper shows it blind where two members coincide (a pair's terms cancel, so nothing
+    pushes them apart), and trains with alpha = 0.95, a little of the plain CRPS, which penalises such a pair.
+    The pairs' sum is taken over the sorted members, Σ_{j,k} |x_j − x_k| = 2 Σ_i (2i − M + 1) x_(i): M values per
+    cell, not M²."""
+    m = members.shape[0]
+    skill = (members - target).abs().mean(0)
+    rank_weight = (2 * torch.arange(m, device=members.device, dtype=members.dtype) - (m - 1))
+    pairs = 2 * (rank_weight.view(-1, *[1] * (members.dim() - 1)) * members.sort(dim=0).values).sum(0)
+    return (skill - (1 - (1 - alpha) / m) * pairs / (2 * m * (m - 1))).mean()
+
+
+LOSSES = {"l1": F.l1_loss, "mse": F.mse_loss, "relative_l2": relative_l2, "crps": crps}
 
 
 def build_loss(cfg: Config) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -105,6 +124,8 @@ def build_loss(cfg: Config) -> Callable[[torch.Tensor, torch.Tensor], torch.Tens
     kelvins (NERSC computes its loss on normalised data).
     """
     base = LOSSES[cfg.train.loss]
+    if cfg.train.loss == "crps":  # (members (M, B, C, H, W), target (B, C, H, W)): see utils/parallel/ensemble.py
+        base = functools.partial(crps, alpha=cfg.train.crps_alpha)
     if cfg.train.lambda_rho:
         return functools.partial(l1_with_density, lambda_rho=cfg.train.lambda_rho)
     if cfg.train.loss_space == "physical":
@@ -208,7 +229,7 @@ class Bookkeeping:
         self.cfg, self.state, self.steps_per_epoch, self.max_steps = cfg.train, state, steps_per_epoch, max_steps
         self.logger, self.scheduler, self.validate, self.save = logger, scheduler, validate, save
         world = dist.get_world_size() if dist.is_initialized() else 1
-        self.flops_per_sample = flops_per_sample
+        self.flops_per_sample = flops_per_sample * cfg.train.ensemble  # a sample's every member: a forward, a backward
         self.peak_flops = world * device_peak_flops(device, cfg.train.amp_dtype)  # MFU of all devices together
         self.device, self.replicas = device, replicas
         self.ckpt_dir, self.start_step = f"{cfg.train.run_dir}/checkpoints", state.step

@@ -1,7 +1,7 @@
 """Every layout the training scripts accept for a config on N GPUs: data, sharded, tensor, context and pipeline
 parallelism, activation checkpointing and precision.
 
-A :class:`Layout` is the config keys one run sets (``strategy``, ``tp``, ``cp``, ``pp``, ``pp_schedule``,
+A :class:`Layout` is the config keys one run sets (``strategy``, ``tp``, ``cp``, ``ens``, ``pp``, ``pp_schedule``,
 ``pp_microbatches``, ``ac``, ``amp_dtype``, ``param_dtype``, ``hsdp_replicas``) and the script that runs them.
 :func:`enumerate_layouts` proposes the combinations and keeps those that pass the checks the scripts themselves
 make — the config's validation (heads divisible by tp, ...), which script applies which key
@@ -13,6 +13,7 @@ pipeline (``check_pipeline``) — called, not copied, so a layout the plan propo
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
@@ -38,6 +39,7 @@ class Layout:
     world: int
     tp: int = 1
     cp: int = 1
+    ens: int = 1  # ranks sharing each sample's ensemble members (train_mp.py --ens)
     pp: int = 1
     pp_schedule: str = "1f1b"
     pp_microbatches: int = 1
@@ -49,7 +51,7 @@ class Layout:
 
     @property
     def dp(self) -> int:
-        return self.world // (self.tp * self.cp * self.pp)
+        return self.world // (self.tp * self.cp * self.ens * self.pp)
 
     @property
     def micro_batch(self) -> int:
@@ -60,7 +62,7 @@ class Layout:
     def keys(self) -> dict:
         """The config keys this layout sets (what --json prints, and the command passes)."""
         amp, param = PRECISIONS[self.precision]
-        keys = {"strategy": self.strategy, "tp": self.tp, "cp": self.cp, "pp": self.pp, "ac": self.ac,
+        keys = {"strategy": self.strategy, "tp": self.tp, "cp": self.cp, "ens": self.ens, "pp": self.pp, "ac": self.ac,
                 "amp_dtype": amp, "param_dtype": param, "batch_size": self.batch_size}
         if self.pp > 1:
             keys.update(pp_schedule=self.pp_schedule, pp_microbatches=self.pp_microbatches)
@@ -70,7 +72,7 @@ class Layout:
 
     def name(self) -> str:
         parts = [f"dp{self.dp}"] if self.dp > 1 or self.world == 1 else []
-        parts += [f"{k}{v}" for k, v in (("tp", self.tp), ("cp", self.cp), ("pp", self.pp)) if v > 1]
+        parts += [f"{k}{v}" for k, v in (("ens", self.ens), ("tp", self.tp), ("cp", self.cp), ("pp", self.pp)) if v > 1]
         label = " x ".join(parts)
         if self.strategy in ("fsdp", "hsdp"):
             label += f" {self.strategy.upper()}" + (f"({self.hsdp_replicas} replicas)" if self.hsdp_replicas > 1 else "")
@@ -112,8 +114,9 @@ def _candidates(cfg: Config, world: int, gpus_per_node: int, batch_sizes: list[i
                     yield Layout("train_fsdp.py", "hsdp", hsdp_replicas=nodes, **common)
                 for tp in _divisors(gpus_per_node) if plan.tp else [1]:  # tensor parallelism stays in a node
                     for cp in _divisors(world // tp) if plan.cp else [1]:
-                        if tp * cp > 1:
-                            yield Layout("train_mp.py", "mp", tp=tp, cp=cp, **common)
+                        for ens in _divisors(math.gcd(cfg.train.ensemble, world // (tp * cp))):  # members on ranks
+                            if tp * cp * ens > 1:
+                                yield Layout("train_mp.py", "mp", tp=tp, cp=cp, ens=ens, **common)
                 if plan.stages:
                     for pp in _divisors(world)[1:]:
                         for schedule in SCHEDULES:
@@ -129,14 +132,15 @@ def layout_config(cfg: Config, layout: Layout) -> Config:
     """``cfg`` with the layout's keys, checked as the layout's script checks them (ConfigError if it refuses)."""
     amp, param = PRECISIONS[layout.precision]
     train = dataclasses.replace(cfg.train, ac=layout.ac, amp_dtype=amp, batch_size=layout.batch_size)
-    dist = dataclasses.replace(cfg.dist, tp=layout.tp, cp=layout.cp, pp=layout.pp, pp_schedule=layout.pp_schedule,
+    dist = dataclasses.replace(cfg.dist, tp=layout.tp, cp=layout.cp, ens=layout.ens, pp=layout.pp,
+                               pp_schedule=layout.pp_schedule,
                                pp_microbatches=layout.pp_microbatches if layout.pp > 1 else cfg.dist.pp_microbatches,
                                param_dtype=param, hsdp_replicas=layout.hsdp_replicas)
     new = dataclasses.replace(cfg, train=train, dist=dist)
     validate(new)  # the config's own checks, the model spec's among them (a built-in model's heads % tp, ...)
     refuse_unapplied(new, layout.script)  # keys the script would ignore
     if layout.strategy == "mp":
-        mp_mesh_layout(layout.world, layout.tp, layout.cp, new.dist.parallel_order)
+        mp_mesh_layout(layout.world, layout.tp, layout.cp, new.dist.parallel_order, layout.ens)
         if layout.cp > 1 and isinstance(config_plan(new.model).cp, FieldPlan):
             check_band_loss(new)
     if layout.strategy == "hsdp":

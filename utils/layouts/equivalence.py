@@ -35,6 +35,7 @@ from utils.config import APPLIED_BY, KEYS, Config
 from utils.parallel.context_parallel import apply_cp
 from utils.parallel.distributed import build_mp_mesh, build_pp_mesh
 from utils.parallel.domain_parallel import FieldBands, band_loss, field_bands
+from utils.parallel.ensemble import Members
 from utils.parallel.fsdp import apply_fsdp
 from utils.parallel.pipeline_parallel import Pipeline, apply_data_parallel
 from utils.parallel.techniques import apply_ac, apply_compile, apply_ddp
@@ -106,6 +107,7 @@ class _Run:
     bands: Optional[FieldBands] = None
     pipeline: Optional[Pipeline] = None
     detail: str = ""
+    members: Optional[Members] = None  # --ensemble M: this rank's members of each sample
 
     def part(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's part of a global batch: its dp rank's samples (and, under bands, its band of each field)."""
@@ -154,27 +156,29 @@ def _ac_compile(model: nn.Module, cfg: Config) -> nn.Module:
 
 def _single(model, cfg, loss_fn, **_) -> _Run:  # train.py
     model = _ac_compile(model, cfg)
-    return _Run(model, model, loss_fn, (0, 1))
+    return _Run(model, model, loss_fn, (0, 1), members=Members(cfg))
 
 
 def _ddp(model, cfg, loss_fn, **_) -> _Run:  # train_ddp.py: the wrapper is called, the parameters are the model's
-    return _Run(apply_ddp(_ac_compile(model, cfg), cfg, CPU), model, loss_fn, (dist.get_rank(), dist.get_world_size()))
+    return _Run(apply_ddp(_ac_compile(model, cfg), cfg, CPU), model, loss_fn, (dist.get_rank(), dist.get_world_size()),
+                members=Members(cfg))
 
 
 def _fsdp(model, cfg, loss_fn, **_) -> _Run:  # train_fsdp.py: FSDP over all ranks, or HSDP (cfg's hsdp_replicas)
     model = apply_fsdp(_ac_compile(model, cfg), cfg, CPU)
-    return _Run(model, model, loss_fn, (dist.get_rank(), dist.get_world_size()))
+    return _Run(model, model, loss_fn, (dist.get_rank(), dist.get_world_size()), members=Members(cfg))
 
 
 def _mp(model, cfg, loss_fn, left_out="", after_cp=None, **_) -> _Run:  # train_mp.py
     d = cfg.dist
-    mesh, dp_cp = build_mp_mesh(dist.get_world_size(), d.tp, d.cp, d.parallel_order, CPU)
+    mesh, dp_cp = build_mp_mesh(dist.get_world_size(), d.tp, d.cp, d.parallel_order, CPU, d.ens)
     bands = field_bands(cfg, mesh["cp"])
     model = apply_cp(apply_tp(model, mesh["tp"]), mesh["cp"])
     if after_cp:  # a test's change to the layout (e.g. a piece left out)
         after_cp(model)
     model = apply_fsdp(_ac_compile(model, cfg), cfg, CPU, mesh["dp"] if left_out == "cp_reduction" else dp_cp)
-    return _Run(model, model, band_loss(loss_fn, bands), (mesh["dp"].get_local_rank(), mesh["dp"].size()), bands)
+    return _Run(model, model, band_loss(loss_fn, bands), (mesh["dp"].get_local_rank(), mesh["dp"].size()), bands,
+                members=Members(cfg, mesh, bands))
 
 
 def _pp(model, cfg, loss_fn, batch=0, **_) -> _Run:  # train_pp.py
@@ -206,14 +210,15 @@ def run_layout(layout: Layout, model: nn.Module, cfg: Config, batches: Batches, 
     trace = Trace(detail=run.detail, dp=run.dp, bands=run.bands)
     for step, (x, y) in enumerate(batches):
         x, y = run.part(x, y)
+        samples = [run.dp[0] * len(x) + i for i in range(len(x))]  # their places in the global batch (``part``)
         optimizer.zero_grad(set_to_none=True)
         with activations.counting(step == 0) if activations else contextlib.nullcontext():
             if run.pipeline:  # forward and backward of every microbatch; the loss shared by the pipeline's ranks
                 loss, pred = run.pipeline.step(x, y), None
             else:
                 with autocast(CPU, cfg.train.amp_dtype):
-                    pred = run.model(x)
-                loss = run.loss_fn(pred.float(), y)  # in fp32, as the scripts compute it
+                    pred = run.model(run.members.inputs(x, step, samples))  # --ensemble: the members' inputs
+                loss = run.loss_fn(run.members.gather(pred.float()), y)  # in fp32, as the scripts compute it
         if not run.pipeline:
             loss.backward()
         loss = loss.detach().clone()

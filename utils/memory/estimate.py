@@ -120,14 +120,15 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
 
     ``strategy``: "none" (one device, train.py), "ddp" or "fsdp" over ``world_size`` ranks; the
     config's batch_size is global, so each rank holds the activations of batch_size / dp, where dp =
-    world_size / (tp x cp x pp) for the config's tp, cp (train_mp.py: FSDP2 over dp x cp) and pp (train_pp.py:
-    parameters replicated over dp, each rank its stages').
+    world_size / (tp x cp x ens x pp) for the config's tp, cp (train_mp.py: FSDP2 over dp x ens x cp), ens and pp
+    (train_pp.py: parameters replicated over dp, each rank its stages'), times its ensemble / ens members (a member
+    costs a forward's activations; the CRPS's gathered members, one prediction per member, are left out).
     ``device_type`` picks the attention path (default: cfg.train.device, "auto" = CUDA if present).
     ``lr_size`` overrides SwinIR's input size (else it follows crop_size, or the whole ``field``);
     the ViT's input is always its img_size (its position embedding is made for it).
     """
     d = cfg.dist
-    tp, cp, pp = d.tp, d.cp, d.pp
+    tp, cp, pp, ens = d.tp, d.cp, d.pp, d.ens
     if strategy not in ("none", "ddp", "fsdp"):
         raise ConfigError(f"strategy {strategy!r} is not one of none, ddp, fsdp")
     if world_size < 1:
@@ -138,12 +139,15 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
         what = "domain parallelism" if cp > 1 and isinstance(config_plan(cfg.model).cp, FieldPlan) else "model parallelism"
         raise ConfigError(f"{'cp' if cp > 1 else 'tp'} > 1 is train_mp.py's {what}, sharded with FSDP2 over dp x cp: "
                           "use --strategy fsdp with --world_size a multiple of tp x cp")
+    if ens > 1 and strategy != "fsdp":
+        raise ConfigError("ens > 1 is train_mp.py's, sharded with FSDP2 over dp x ens x cp: use --strategy fsdp with "
+                          "--world_size a multiple of ens")
     if pp > 1 and (tp > 1 or cp > 1):
         raise ConfigError("train_pp.py combines pp with data parallelism only: use tp 1 and cp 1 with pp")
-    if world_size % (tp * cp * pp):
-        sizes = " x ".join(f"{name} {n}" for name, n in (("tp", tp), ("cp", cp), ("pp", pp)) if n > 1)
+    if world_size % (tp * cp * pp * ens):
+        sizes = " x ".join(f"{name} {n}" for name, n in (("tp", tp), ("cp", cp), ("ens", ens), ("pp", pp)) if n > 1)
         raise ConfigError(f"world_size {world_size} is not a multiple of {sizes}: each model replica spans those ranks")
-    dp = world_size // (tp * cp * pp)
+    dp = world_size // (tp * cp * pp * ens)
     if cfg.train.batch_size % dp:
         raise ConfigError(f"batch_size {cfg.train.batch_size} is the global batch and must be divisible by the "
                           f"{dp} data-parallel ranks; use a multiple of {dp}")
@@ -153,7 +157,9 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
     ac = cfg.train.ac
     shape.check_supported(ac, d.fsdp_unit if strategy == "fsdp" else "block")
     param_dtype = d.param_dtype if strategy == "fsdp" else "fp32"
-    batch = cfg.train.batch_size // dp
+    # --ensemble M: each of a rank's members is one more input in its batch (a forward's activations each)
+    members = cfg.train.ensemble // ens
+    batch = cfg.train.batch_size // dp * members
     notes = []
     graph_batch = batch // d.pp_microbatches if pp > 1 else batch  # a pipeline's graph is one microbatch's
 
@@ -216,7 +222,7 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
 
     setting = {
         "model": shape.name, "config": cfg.name, "strategy": strategy, "world_size": world_size,
-        "batch_per_rank": batch, "lr_input": list(g.input_size), "padded_input": list(g.padded),
+        "batch_per_rank": batch // members, "lr_input": list(g.input_size), "padded_input": list(g.padded),
         "tokens_per_rank": g.tokens,
         "amp_dtype": cfg.train.amp_dtype, "ac": ac, "device_type": device_type, "attention": kernel,
         "precision": g.precision, "num_params": shape.num_params(), "states_gb": round(states / GB, 6),
@@ -224,7 +230,7 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
     setting.update(g.setting)
     if strategy == "fsdp" and pp == 1:
         setting.update(shard_group=shard, fsdp_unit=d.fsdp_unit, param_dtype=param_dtype)
-    for key, value in (("tp", tp), ("cp", cp), ("pp", pp)):
+    for key, value in (("tp", tp), ("cp", cp), ("ens", ens), ("pp", pp), ("members_per_rank", members)):
         if value > 1:
             setting[key] = value
     if pp > 1:  # every rank's: train_pp.py's memory record reports the largest of each

@@ -46,12 +46,13 @@ class Layer:
 def loss_layer(loss: str, loss_space: str, pred_bytes: float, batch: int, channels: int) -> Layer:
     """The loss on the fp32 prediction (``pred_bytes`` = one fp32 copy of the predicted batch).
 
-    L1 saves pred - target (for |.|'s gradient); MSE saves prediction and target; relative L2 saves
-    pred - target and the fp32 norms per sample (of the difference, and of the target for the
+    L1 saves pred - target (for |.|'s gradient), the CRPS also the sort's int64 indices; MSE saves prediction and
+    target; relative L2 saves pred - target and the fp32 norms per sample (of the difference, and of the target for the
     division). In normalised space, dividing the prediction by std saves that (channels,) tensor,
     and the normalised prediction and target exist in forward, their gradients in backward.
     """
-    saved = {"l1": pred_bytes, "mse": 2 * pred_bytes, "relative_l2": pred_bytes + 2 * 4 * batch}[loss]
+    saved = {"l1": pred_bytes, "mse": 2 * pred_bytes, "relative_l2": pred_bytes + 2 * 4 * batch,
+             "crps": 3 * pred_bytes}[loss]
     extra = 2 * pred_bytes
     if loss_space == "normalized":
         saved += 4 * channels

@@ -371,7 +371,7 @@ def estimate_model(model: Union[nn.Module, Callable[[], nn.Module]], input_shape
 def refuse_untraceable_layout(cfg: Config, model_name: str, described: bool = False) -> None:
     """tp, cp and pp are estimated from hand-written descriptions only (see the module docstring): one line."""
     d = cfg.dist
-    used = [f"{name} {n}" for name, n in (("tp", d.tp), ("cp", d.cp), ("pp", d.pp)) if n > 1]
+    used = [f"{name} {n}" for name, n in (("tp", d.tp), ("cp", d.cp), ("ens", d.ens), ("pp", d.pp)) if n > 1]
     if used:
         fix = ("the hand-written estimate has them: drop --traced" if described else
                f"{model_name} has no hand-written memory description (a spec's memory: models/spec.py) for tensor, "
@@ -386,7 +386,8 @@ def estimate_traced(cfg: Config, world_size: int = 1, strategy: str = "none", de
     model = model if model is not None else model_on_meta(cfg)
     name = type(model).__name__
     refuse_untraceable_layout(cfg, name, has_description(cfg.model))
-    inputs, target = batch_shapes(cfg)
+    # --ensemble M: every member one more input of the batch (the CRPS then takes the batch's rows as its members)
+    inputs, target = batch_shapes(cfg, batch=cfg.train.batch_size * cfg.train.ensemble)
     device_type = device_type or ("cuda" if cfg.train.device == "auto" and torch.cuda.is_available()
                                   else cfg.train.device if cfg.train.device != "auto" else "cpu")
     estimate = estimate_model(model, inputs, target, loss_for(cfg), cfg, world_size, strategy, device_type)

@@ -194,19 +194,26 @@ def _bound_later_groups(timeout: datetime.timedelta) -> None:
         c10d.default_pg_nccl_timeout = timeout
 
 
-def mp_mesh_layout(world_size: int, tp: int, cp: int, order: str = "tp-cp-dp") -> tuple[tuple[int, ...], tuple[str, ...]]:
+def mp_mesh_layout(world_size: int, tp: int, cp: int, order: str = "tp-cp-dp",
+                   ens: int = 1) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """(shape, names) of the model-parallel mesh, slowest-varying dimension first.
 
     ``order`` lists the dimensions from the fastest-varying rank to the slowest (NERSC's
     ``--parallel_order``): with the default tp-cp-dp, ranks 0..tp-1 form the first tensor-parallel
     group, and torchrun numbers a node's ranks consecutively, so tp (the chattiest: collectives in
-    every layer) stays on a node's NVLink while dp crosses nodes. dp = world_size / (tp * cp).
+    every layer) stays on a node's NVLink while dp crosses nodes. dp = world_size / (tp * cp * ens).
+    ``ens`` > 1 adds the ensemble's dimension (the ranks that share a sample's members), just before dp unless
+    ``order`` places it: its one gather of predictions per step stays inside a node before dp's does.
     """
-    if world_size % (tp * cp):
-        raise ConfigError(f"tp {tp} x cp {cp} = {tp * cp} does not divide the {world_size} ranks: choose tp and cp "
-                          f"whose product divides the number of processes (dp = ranks / (tp x cp))")
-    sizes = {"dp": world_size // (tp * cp), "cp": cp, "tp": tp}
-    names = tuple(reversed(order.split("-")))
+    if world_size % (tp * cp * ens):
+        raise ConfigError(f"tp {tp} x cp {cp}{f' x ens {ens}' if ens > 1 else ''} = {tp * cp * ens} does not divide "
+                          f"the {world_size} ranks: choose tp and cp{' and ens' if ens > 1 else ''} whose product "
+                          f"divides the number of processes (dp = ranks / (tp x cp{' x ens' if ens > 1 else ''}))")
+    sizes = {"dp": world_size // (tp * cp * ens), "cp": cp, "tp": tp, "ens": ens}
+    fastest_first = order.split("-")
+    if "ens" not in fastest_first:
+        fastest_first.insert(fastest_first.index("dp"), "ens")
+    names = tuple(name for name in reversed(fastest_first) if name != "ens" or ens > 1)
     return tuple(sizes[name] for name in names), names
 
 
@@ -217,14 +224,15 @@ def ensure_process_group(device: torch.device) -> None:
                                 rank=0, world_size=1)
 
 
-def build_mp_mesh(world_size: int, tp: int, cp: int, order: str, device: torch.device):
-    """(mesh, dp_cp): the ("dp", "cp", "tp") DeviceMesh of train_mp.py, and its dp and cp dimensions
-    flattened into one (the ranks that hold the same parameters and average their gradients: FSDP2's
-    mesh). One process: a group of its own."""
-    shape, names = mp_mesh_layout(world_size, tp, cp, order)
+def build_mp_mesh(world_size: int, tp: int, cp: int, order: str, device: torch.device, ens: int = 1):
+    """(mesh, dp_cp): the ("dp", "cp", "tp") DeviceMesh of train_mp.py (with "ens" when ``ens`` > 1), and its dp,
+    ens and cp dimensions flattened into one (the ranks that hold the same parameters and average their gradients:
+    FSDP2's mesh). One process: a group of its own."""
+    shape, names = mp_mesh_layout(world_size, tp, cp, order, ens)
     ensure_process_group(device)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
-    return mesh, mesh[tuple(name for name in names if name in ("dp", "cp"))]._flatten("dp_cp")
+    replicas = tuple(name for name in names if name in ("dp", "ens", "cp"))
+    return mesh, mesh[replicas]._flatten("_".join(replicas))
 
 
 def build_pp_mesh(world_size: int, pp: int, device: torch.device):

@@ -79,6 +79,7 @@ def model_facts(cfg: Config) -> tuple[float, list[int], int]:
     """(FLOPs of one training step per sample, fp32 gradient bytes per tensor in backward's order, units a pipeline
     may cut) of the config's model, counted on the meta device."""
     flops = train_flops_per_sample(lambda: meta_model(cfg), (cfg.model.in_chans, *input_size(cfg)))
+    flops *= cfg.train.ensemble  # --ensemble M: a sample's every member, a forward and a backward each
     grads = [4 * p.numel() for p in meta_model(cfg).parameters() if p.requires_grad][::-1]
     shape = model_shape(cfg.model, cfg.target_chans) if has_description(cfg.model) else None  # (no pipeline without one)
     units = len(shape.pipeline_units()[0]) if shape is not None else 0

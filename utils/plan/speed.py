@@ -16,7 +16,8 @@
     first unit's all-gather and the last unit's reduce-scatter, or all that exceeds the compute;
   - tensor parallelism (all-gathers and reduce-scatters around every attention and MLP, or SwinIR's all-reduces),
     context parallelism (the keys and values gathered in every block, their gradients reduce-scattered; SwinIR's
-    halo rows) and the pipeline's sends between stages sit between dependent operations: never hidden;
+    halo rows), the ensemble's gather of the members' predictions over ens (and its reduce-scatter in backward)
+    and the pipeline's sends between stages sit between dependent operations: never hidden;
   - pipeline: the bubble (p - 1) / (v m + p - 1) of utils/parallel/pipeline_parallel.py stretches the compute
     (ZB-V's counted as interleaved 1F1B's);
     the gradients are all-reduced across pipelines after the last microbatch: exposed.
@@ -114,6 +115,11 @@ def predict_speed(layout: Layout, cfg, cluster: Cluster, flops_per_sample: float
     if shape is not None and (layout.tp > 1 or layout.cp > 1):
         traffic = shape.model_parallel_traffic(layout.tp, layout.cp, cfg, replica_batch, act_bytes)
         exposed += traffic_seconds(traffic, {"tp": layout.tp, "cp": layout.cp}, inner, lat, terms)
+    if layout.ens > 1:  # the CRPS's members: gathered in forward, their gradients reduce-scattered in backward (fp32)
+        members = cfg.train.ensemble * replica_batch * output_elements(cfg) * 4
+        near = cluster.intra_bw if layout.tp * layout.cp * layout.ens <= g else cluster.inter_bw / g
+        terms["ensemble gather"] = 2 * ring_allgather_seconds(members, layout.ens, near, lat)
+        exposed += terms["ensemble gather"]
     bubble = 0.0
     if layout.pp > 1:
         # ZB-V's zero bubble assumes equal forward, input- and weight-gradient times (bench_pp.py measured 5-18 % idle
@@ -129,6 +135,12 @@ def predict_speed(layout: Layout, cfg, cluster: Cluster, flops_per_sample: float
     comm = sum(terms.values())
     step = compute + bubble + exposed
     return Speed(compute, comm, exposed, bubble, step, batch / step, ideal / step, terms)
+
+
+def output_elements(cfg) -> int:
+    """Values of one sample's prediction: its channels on the model's grid (super-resolution: the enlarged one)."""
+    (h, w), scale = cfg.model.img_hw, cfg.model.upscale if cfg.data.task == "sr" else 1
+    return cfg.target_chans * h * w * scale * scale
 
 
 def fsdp_unit_count(cfg, shape) -> int:
