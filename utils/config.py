@@ -171,9 +171,8 @@ class TrainConfig:
     """Training loss; relative_l2 = batch mean of ||pred - target|| / ||target|| per sample (NERSC's ViT); crps: the
     (almost) fair CRPS of the ensemble members of each sample against its target, per cell (needs ensemble >= 2)."""
     ensemble: int = 1
-    """Members trained together on each sample (loss crps; Part V): member k sees the sample's input plus its own
-    noise (member_noise) and the loss compares all of them with the target at once. train.py runs all of them in
-    one process; train_mp.py can spread them over --ens ranks. 1: one deterministic forecast per sample."""
+    """Members trained together on each sample (loss crps; Part V), each with its own input noise (member_noise):
+    train.py holds all of them, train_mp.py can spread them over --ens ranks. 1: one deterministic forecast."""
     crps_alpha: float = 1.0
     """loss crps: alpha of AIFS-CRPS's almost fair CRPS, alpha x fair CRPS + (1 - alpha) x the ensemble's plain CRPS
     (the spread term weighted by 1 - (1 - alpha) / M); 1: the fair CRPS; AIFS-CRPS trains with 0.95."""
@@ -274,9 +273,8 @@ class DistConfig:
     """train_mp.py: ranks that share the ensemble members of the same samples (each holds ensemble / ens of them; the
     CRPS gathers the members' predictions over them, and gradients are averaged over ens x dp)."""
     parallel_order: str = "tp-cp-dp"
-    """train_mp.py: mesh dimensions from the fastest-varying rank to the slowest (NERSC's --parallel_order):
-    tp-cp-dp puts a tensor-parallel group on consecutive ranks, i.e. inside a node; the ensemble's dimension ens
-    sits just before dp unless named (tp-cp-ens-dp)."""
+    """train_mp.py: mesh dimensions from the fastest-varying rank to the slowest (NERSC's --parallel_order): tp-cp-dp
+    puts a tensor-parallel group on consecutive ranks, i.e. inside a node; ens sits before dp unless named."""
     pp: int = 1
     """train_pp.py: pipeline stages per model replica, one rank each (two each for interleaved_1f1b and zbv)."""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv"] = "1f1b"
