@@ -23,8 +23,9 @@ from typing import Callable, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from utils.config import build_config  # noqa: E402
+from utils.layouts.accepted import Layout  # noqa: E402
 from utils.plan.clusters import load_cluster  # noqa: E402
-from utils.plan.planner import Row, plan  # noqa: E402
+from utils.plan.planner import Row, plan_layout  # noqa: E402
 
 A100_40, A100_80, H100 = "perlmutter-a100-40", "perlmutter-a100-80", "kestrel-h100"
 
@@ -37,7 +38,7 @@ class Figure:
     overrides: dict
     cluster: str
     gpus: int
-    pick: Callable[[Row], bool]
+    pick: Callable[[int, int], Layout]  # (GPUs, global batch) -> the layout the publication ran
     gb: Optional[tuple[float, float]] = None  # published range; (inf, inf): out of memory
     samples: Optional[tuple[float, float]] = None
     note: str = ""
@@ -45,9 +46,14 @@ class Figure:
     scaffolding: float = 0.0  # GiB their log reports allocated before the first step (set-up): left out of theirs
 
 
+SCRIPTS = {"none": "train.py", "ddp": "train_ddp.py", "mp": "train_mp.py"}
+
+
 def layout(strategy: str, precision: str = "bf16", ac: str = "none", tp: int = 1, cp: int = 1) -> Callable:
-    return lambda r: (r.layout.strategy, r.layout.precision, r.layout.ac, r.layout.tp, r.layout.cp) == (
-        strategy, precision, ac, tp, cp)
+    """The publication's layout in full: NERSC's tp and cp run DDP over dp, and their tp keeps the residual stream
+    and the LayerNorms whole on every tp rank (no sequence parallelism)."""
+    return lambda gpus, batch: Layout(SCRIPTS[strategy], strategy, gpus, tp=tp, cp=cp, ac=ac, precision=precision,
+                                      batch_size=batch, ddp_beside_mp=strategy == "mp", sequence_parallel=tp == 1)
 
 
 OOM = (float("inf"), float("inf"))
@@ -56,12 +62,12 @@ FIGURES = [
     Figure("ViT embed 1536, DP 4, 16/GPU", "NERSC SC23/DL4SCI25", "vit_mp", {}, A100_80, 4, layout("ddp"),
            (53, 54), (46, 51)),
     Figure("ViT embed 1536, TP 4 x DP 4", "NERSC SC23/DL4SCI25", "vit_mp", {}, A100_40, 16, layout("mp", tp=4),
-           (36, 39), (61, 72), "theirs: DDP over dp, no sequence parallelism; ours: FSDP2 over dp, SP"),
+           (36, 39), (61, 72), "as theirs: DDP over dp, no sequence parallelism"),
     Figure("ViT embed 1024, DP 4, 16/GPU", "NERSC SC24", "vit_mp", {"embed_dim": 1024}, A100_80, 4, layout("ddp"),
            (44.9, 44.9), (93, 93), "theirs: allocated after forward (GiB), 10.5 of it set-up: added to ours",
            after_forward=True, scaffolding=10.48),
     Figure("ViT embed 1024, TP 4 x DP 4", "NERSC SC24", "vit_mp", {"embed_dim": 1024}, A100_80, 16,
-           layout("mp", tp=4), (33.2, 33.2), (125, 125), "as above (10.2 set-up); theirs: no SP, DDP over dp",
+           layout("mp", tp=4), (33.2, 33.2), (125, 125), "as above (10.2 set-up); DDP over dp, no SP",
            after_forward=True, scaffolding=10.18),
     Figure("ViT embed 1024, TP 4 x DP 4", "NERSC SC25", "vit_mp", {"embed_dim": 1024}, A100_40, 16,
            layout("mp", tp=4), (29.3, 29.3), (126, 126), "as SC24's (assumed)", after_forward=True),
@@ -89,14 +95,12 @@ FIGURES = [
 
 
 def predicted(figure: Figure) -> Row:
+    """plan.py's model of the figure's own layout (utils/plan/planner.py: plan_layout)."""
     cluster = load_cluster(figure.cluster)
     per_node = min(figure.gpus, cluster.gpus_per_node)
     cluster = dataclasses.replace(cluster, gpus_per_node=per_node)
-    rows = [r for r in plan(build_config(figure.config, figure.overrides), cluster, figure.gpus // per_node)
-            if figure.pick(r)]
-    if not rows:
-        raise SystemExit(f"error: no layout of {figure.label} on {figure.gpus} GPUs: the figure's layout was refused")
-    return rows[0]
+    cfg = build_config(figure.config, figure.overrides)
+    return plan_layout(cfg, cluster, figure.gpus // per_node, figure.pick(figure.gpus, cfg.train.batch_size))
 
 
 def shown(published: Optional[tuple[float, float]], value: float, capacity: float = 0.0) -> tuple[str, str]:

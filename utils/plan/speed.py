@@ -84,9 +84,9 @@ def predict_speed(layout: Layout, cfg, cluster: Cluster, flops_per_sample: float
     grads = sum(grad_bytes)
     terms: dict[str, float] = {}
 
-    if layout.strategy == "ddp":
-        p = predict_step(compute, BACKWARD_SHARE * compute, ddp_buckets(grad_bytes, cfg.dist.bucket_cap_mb * MiB),
-                         world, dp_bw, lat)
+    if layout.strategy == "ddp" or layout.ddp_beside_mp:  # (beside tp: each tp rank's share, over the dp ranks)
+        buckets = ddp_buckets([b / layout.tp for b in grad_bytes], cfg.dist.bucket_cap_mb * MiB)
+        p = predict_step(compute, BACKWARD_SHARE * compute, buckets, layout.dp, dp_bw, lat)
         terms["gradient all-reduce"] = p["comm_s"]
         exposed_dp = p["exposed_s"]
     elif layout.strategy in ("fsdp", "hsdp", "mp"):
