@@ -94,7 +94,8 @@ FIGURES = [
     Figure("ViT base, DP 64, batch 1024", "NERSC SC23 scaling", "vit_base", {"amp_dtype": "bf16", "batch_size": 1024},
            A100_40, 64, layout("ddp"), None, (2550, 2550)),
     Figure("ViT base, 1 GPU, fp32", "NERSC SC23 ladder", "vit_base", {}, A100_40, 1, layout("none", "fp32"),
-           None, (8.8, 12), "theirs input-bound (8.8 -> 12 with 8 data workers)", speed_role=CALIBRATION),
+           None, (8.8, 12), speed_role="theirs input-bound (8.8 -> 12 with 8 data workers): the model has no input "
+           "pipeline"),
     Figure("ViT base, 1 GPU, bf16", "NERSC SC25 ladder", "vit_base", {"amp_dtype": "bf16"}, A100_40, 1,
            layout("none"), None, (54, 54), speed_role=CALIBRATION),
     Figure("SwinIR 720x1440, batch 1, fp32", "NREL tutorial", "full_size", {}, H100, 1, layout("none", "fp32"), OOM),
