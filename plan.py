@@ -33,6 +33,7 @@ import yaml
 
 from utils.config import ConfigError, parse_config
 from utils.plan.clusters import load_cluster
+from utils.plan.compute import calibration_note
 from utils.plan.planner import plan, what_would_fit, why_it_wins
 from utils.training import run_cli
 
@@ -100,7 +101,9 @@ def main(argv=None) -> int:
         print(json.dumps([row.to_json() for row in rows]))
         return 0
     print(format_table(rows, cluster, args.nodes, cfg, args.top))
-    if cluster.assumed(cfg.model.model):
+    if cluster.hbm_bandwidth:  # which speeds a measured step calibrates, which are extrapolated
+        print(calibration_note(cfg, cluster.gpu))
+    elif cluster.assumed(cfg.model.model):
         print(cluster.assumed(cfg.model.model))
     if rows and rows[0].fits:
         print(f"\nwhy: {why_it_wins(rows)}")

@@ -15,8 +15,8 @@ bandwidth against a device-to-device copy measured in the same run, and the clas
 max(FLOPs / peak, bytes / bandwidth), the time a kernel at the roof would take. The step's bound is the sum of the
 class bounds; what the step takes beyond its kernels is time the device waited (launches, the host, syncs).
 
-PyTorch gives the FLOPs and the times; the byte count per op is hand-written here because nothing in PyTorch counts
-operand traffic per op (the profiler records shapes of inputs, not of outputs).
+PyTorch gives the FLOPs and the times; the classes and the byte count per op are utils/observe/kernels.py's (shared
+with the planner's compute model, utils/plan/compute.py).
 """
 
 from __future__ import annotations
@@ -26,60 +26,8 @@ from collections import defaultdict
 from typing import Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-CLASSES = ("matmul", "attention", "convolution", "normalisation", "elementwise", "copies", "optimizer")
-MATMULS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "_addmm_activation", "_scaled_mm", "linear"}
-# Data movement without arithmetic: the class a fusing compiler removes first.
-COPIES = {"copy_", "_to_copy", "clone", "cat", "stack", "roll", "constant_pad_nd", "reflection_pad2d",
-          "reflection_pad2d_backward", "index", "index_put_", "index_select", "gather", "scatter", "scatter_add_",
-          "pixel_shuffle", "pixel_unshuffle", "slice_backward", "select_backward", "narrow_copy", "repeat",
-          "new_zeros", "zero_", "fill_", "zeros_like", "_unsafe_index", "_unsafe_index_put"}
-NO_KERNEL = ("empty", "_local_scalar_dense", "set_", "resize_", "lift_fresh", "record_stream")
-
-
-def kernel_class(op: str) -> str:
-    """The class of an aten op given as "aten.mm", "aten::mm" or "mm"."""
-    name = op.replace("::", ".").split(".")[-1]
-    if name in MATMULS:
-        return "matmul"
-    if "attention" in name:
-        return "attention"
-    if "convolution" in name:
-        return "convolution"
-    if "norm" in name:
-        return "normalisation"
-    if name.startswith(("_fused_adam", "_fused_sgd", "_foreach_")):
-        return "optimizer"
-    if name in COPIES:
-        return "copies"
-    return "elementwise"
-
-
-def _nbytes(value) -> int:
-    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
-
-
-def _is_view(func) -> bool:
-    """An op whose results alias an input without writing it (view, transpose, expand, detach...): no kernel."""
-    returns = func._schema.returns
-    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
-
-
-class TrafficMode(TorchDispatchMode):
-    """Bytes read and written per aten op, as if each operand crossed memory once (see the module docstring)."""
-
-    def __init__(self):
-        super().__init__()
-        self.bytes: dict[str, int] = defaultdict(int)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = str(func.overloadpacket)
-        if not _is_view(func) and not name.split(".")[-1].startswith(NO_KERNEL):
-            self.bytes[name] += sum(map(_nbytes, tree_leaves((args, kwargs or {})))) + sum(map(_nbytes, tree_leaves(out)))
-        return out
+from utils.observe.kernels import CLASSES, TrafficMode, kernel_class
 
 
 def bytes_by_op(step: Callable[[], None]) -> dict[str, int]:

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 
@@ -29,8 +30,8 @@ from utils.parallel.pipeline_parallel import STAGES_PER_RANK
 from utils.plan import clusters
 from utils.plan.clusters import load_cluster
 from utils.plan.comm import ddp_buckets, predict_step, traffic_seconds
-from utils.layouts.accepted import enumerate_layouts
-from utils.plan.planner import calibrated, model_facts, plan
+from utils.layouts.accepted import Layout, enumerate_layouts
+from utils.plan.planner import calibrated, model_facts, plan, plan_layout
 from utils.plan.speed import BACKWARD_SHARE, MiB, predict_speed
 from utils.training import run_cli
 
@@ -312,3 +313,16 @@ def test_the_best_cpu_layouts_command_runs(vit_data, tmp_path, capsys):
 def test_a_config_error_in_a_layout_is_never_printed_as_a_plan():
     with pytest.raises(ConfigError, match="--nodes must be >= 1"):
         plan(tiny_vit(), load_cluster("kestrel-h100"), 0)
+
+
+def test_a_published_layout_is_modelled_as_it_ran():
+    """NERSC's tp: DDP over dp (whole AdamW state per tp rank) and no sequence parallelism (the stream and the
+    LayerNorms whole on every tp rank): more memory than train_mp.py's FSDP2 with SP, and not a command to run."""
+    cfg = build_config("vit_mp", {"model_args.embed_dim": 1024})
+    ours = Layout("train_mp.py", "mp", 16, tp=4, precision="bf16", batch_size=64)
+    theirs = dataclasses.replace(ours, ddp_beside_mp=True, sequence_parallel=False)
+    mine, published = (plan_layout(cfg, load_cluster("perlmutter-a100-80"), 4, lay) for lay in (ours, theirs))
+    assert published.estimate.optimizer > 3 * mine.estimate.optimizer  # not sharded over dp 4
+    assert published.estimate.activations > 1.3 * mine.estimate.activations  # the stream whole on every tp rank
+    assert "not run by this project's scripts" in published.command and "train_mp.py" in mine.command
+    assert published.layout.name() == "dp4 x tp4 DDP no SP"

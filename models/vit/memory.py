@@ -10,6 +10,7 @@ tokens × tokens matrix — so it too grows linearly with the tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -34,6 +35,9 @@ class ViTShape(MemoryDescription):
     drop_path_rate: float
     out_chans: int = 0
     """Channels of the output where they are not the input's (task diagnostic); 0: in_chans."""
+    sequence_parallel: bool = True
+    """train_mp.py's tp splits the residual stream and the LayerNorms by tokens; False: a publication's tp (NERSC's)
+    that keeps them whole on every tp rank (plan.py's model of it: :meth:`without_sequence_parallelism`)."""
 
     @classmethod
     def from_config(cls, m, target_chans: Optional[int] = None) -> "ViTShape":
@@ -97,6 +101,9 @@ class ViTShape(MemoryDescription):
         LayerNorms and proj's and fc2's biases, and the head's (column-wise)."""
         return self.depth * (self.block_params()[1] - 6 * self.embed_dim) + self.end_params()[0]
 
+    def without_sequence_parallelism(self) -> "ViTShape":
+        return dataclasses.replace(self, sequence_parallel=False)
+
     def unsplit_params(self) -> int:
         """Parameters in tensors whose first dimension is 1, which FSDP2 cannot split: the position embedding."""
         return self.tokens * self.embed_dim
@@ -132,7 +139,7 @@ class ViTShape(MemoryDescription):
         rows, cols = vit[0] // self.patch_size, vit[1] // self.patch_size
         band = band_rows(rows, cp)[0] * cols if cp > 1 else None  # the largest band's tokens
         graph = vit_training_graph(self, p, kernel, cfg.train.ac, graph_batch, cfg.train.loss, cfg.train.loss_space,
-                                   tp, band)
+                                   tp, band, self.sequence_parallel)
         setting = {"patch_size": self.patch_size, "tokens_per_sample": self.tokens, "loss": cfg.train.loss,
                    "loss_space": cfg.train.loss_space}
         return ActivationGraph(graph, p.label, p.weight_copies, kernel, vit, vit, batch * (band or self.tokens),
@@ -208,7 +215,8 @@ def vit_attention_kernel(device_type: str, p: ViTPrecision, head_dim: int) -> st
 
 
 def vit_training_graph(shape: ViTShape, p: ViTPrecision, kernel: str, ac: str, batch: int, loss: str,
-                       loss_space: str, tp: int = 1, band_tokens: Optional[int] = None) -> list[Layer]:
+                       loss_space: str, tp: int = 1, band_tokens: Optional[int] = None,
+                       sequence_parallel: bool = True) -> list[Layer]:
     """The ViT's training step as a list of layers in forward order (models/vit/network.py: ViT.forward).
 
     Per token and block, fp32: the block input (saved by norm1), LayerNorm statistics, norm1's
@@ -220,7 +228,8 @@ def vit_training_graph(shape: ViTShape, p: ViTPrecision, kernel: str, ac: str, b
 
     Model parallelism (train_mp.py; spec.py's plan): ``tp`` splits the heads and the MLP's
     hidden units, and (sequence parallelism) the residual stream and the LayerNorms by tokens; the inputs of
-    q, k, v, fc1 and the head are all-gathered over tp, so each rank saves them whole. ``band_tokens``
+    q, k, v, fc1 and the head are all-gathered over tp, so each rank saves them whole. Without sequence parallelism
+    (``sequence_parallel`` False: NERSC's tp) the stream and the LayerNorms are whole on every rank too. ``band_tokens``
     (context parallelism): the tokens of this rank's latitude band; every block works on them, except that
     the keys and values of all bands are all-gathered (saved whole); the stem runs on the whole field, and the
     head's output is gathered again for the loss.
@@ -230,7 +239,7 @@ def vit_training_graph(shape: ViTShape, p: ViTPrecision, kernel: str, ac: str, b
     mine = band_tokens or tokens
     t_all = batch * tokens  # the whole field's tokens (the stem; keys and values under cp)
     t = batch * mine  # this rank's tokens in the blocks
-    ts = t / tp  # sequence-parallel share: the residual stream and the LayerNorms
+    ts = t / tp if sequence_parallel else t  # the residual stream and the LayerNorms: split by sequence parallelism
     field = batch * shape.in_chans * shape.img_size[0] * shape.img_size[1]  # values in a batch of fields
     out_field = field // shape.in_chans * (shape.out_chans or shape.in_chans)  # of outputs (other channels: diagnostic)
     casts = 1 if ln == a else 3  # copies of the LayerNorm output that q, k, v save as their input

@@ -47,11 +47,19 @@ class Layout:
     ac: str = "none"
     precision: str = "fp32"
     batch_size: int = 1  # global
+    # Published runs' layouts, which no script here runs (plan.py models them when given in full: plan_layout):
+    ddp_beside_mp: bool = False  # tp/cp with DDP over dp (NERSC's train_mp), not FSDP2
+    sequence_parallel: bool = True  # False: tp keeps the residual stream and the norms whole on every tp rank
     overrides: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
     def dp(self) -> int:
         return self.world // (self.tp * self.cp * self.ens * self.pp)
+
+    @property
+    def runs_here(self) -> bool:
+        """Whether this project's scripts run the layout (else it is a publication's, modelled only)."""
+        return not self.ddp_beside_mp and self.sequence_parallel
 
     @property
     def micro_batch(self) -> int:
@@ -76,8 +84,10 @@ class Layout:
         label = " x ".join(parts)
         if self.strategy in ("fsdp", "hsdp"):
             label += f" {self.strategy.upper()}" + (f"({self.hsdp_replicas} replicas)" if self.hsdp_replicas > 1 else "")
-        elif self.strategy == "ddp":
+        elif self.strategy == "ddp" or self.ddp_beside_mp:
             label += " DDP"
+        if not self.sequence_parallel:
+            label += " no SP"
         if self.pp > 1:
             label += f" {self.pp_schedule} m{self.pp_microbatches}"
         return label

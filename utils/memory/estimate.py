@@ -115,7 +115,8 @@ class MemoryEstimate:
 
 
 def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", device_type: Optional[str] = None,
-                    field: Optional[tuple[int, int]] = None, lr_size: Optional[tuple[int, int]] = None) -> MemoryEstimate:
+                    field: Optional[tuple[int, int]] = None, lr_size: Optional[tuple[int, int]] = None,
+                    sequence_parallel: bool = True, ddp_beside_mp: bool = False) -> MemoryEstimate:
     """Predicted peak training memory of one rank for a config (see the module docstring).
 
     ``strategy``: "none" (one device, train.py), "ddp" or "fsdp" over ``world_size`` ranks; the
@@ -126,6 +127,10 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
     ``device_type`` picks the attention path (default: cfg.train.device, "auto" = CUDA if present).
     ``lr_size`` overrides SwinIR's input size (else it follows crop_size, or the whole ``field``);
     the ViT's input is always its img_size (its position embedding is made for it).
+    Layouts the scripts do not run, which published runs used (plan.py models them when given in full):
+    ``ddp_beside_mp`` with strategy "ddp": tp/cp with DDP over dp (every dp rank holds the tp rank's whole
+    parameters, gradients and AdamW state); ``sequence_parallel`` False: tp that keeps the residual stream and the
+    norms whole on every tp rank (the description's :meth:`~MemoryDescription.without_sequence_parallelism`).
     """
     d = cfg.dist
     tp, cp, pp, ens = d.tp, d.cp, d.pp, d.ens
@@ -135,7 +140,7 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
         raise ConfigError(f"world_size must be >= 1, got {world_size}")
     if strategy == "none" and world_size != 1:
         raise ConfigError(f"world_size {world_size} needs --strategy ddp or fsdp")
-    if (tp > 1 or cp > 1) and strategy != "fsdp":
+    if (tp > 1 or cp > 1) and strategy != "fsdp" and not (ddp_beside_mp and strategy == "ddp"):
         what = "domain parallelism" if cp > 1 and isinstance(config_plan(cfg.model).cp, FieldPlan) else "model parallelism"
         raise ConfigError(f"{'cp' if cp > 1 else 'tp'} > 1 is train_mp.py's {what}, sharded with FSDP2 over dp x cp: "
                           "use --strategy fsdp with --world_size a multiple of tp x cp")
@@ -154,6 +159,8 @@ def estimate_memory(cfg: Config, world_size: int = 1, strategy: str = "none", de
     if device_type is None:
         device_type = cfg.train.device if cfg.train.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     shape = model_shape(cfg.model, cfg.target_chans)
+    if not sequence_parallel:
+        shape = shape.without_sequence_parallelism()
     ac = cfg.train.ac
     shape.check_supported(ac, d.fsdp_unit if strategy == "fsdp" else "block")
     param_dtype = d.param_dtype if strategy == "fsdp" else "fp32"

@@ -144,6 +144,12 @@ class MemoryDescription:
         """Parameters tensor parallelism splits over its ranks."""
         return 0
 
+    def without_sequence_parallelism(self) -> "MemoryDescription":
+        """The description of the model under tensor parallelism that keeps the residual stream and the norms whole
+        on every tp rank (Megatron's all-reduces, as published runs use it; plan.py models such layouts, which the
+        scripts do not run). A description whose tensor parallelism already does so (SwinIR's) is itself."""
+        return self
+
     def adjust_held(self, parts: dict[str, float], graph: ActivationGraph, cp: int) -> None:
         """Corrects the held activations per part where the graph of one band is not the whole story (halos)."""
 

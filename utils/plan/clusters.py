@@ -50,6 +50,7 @@ class Cluster:
     source: str = "config/clusters/clusters.yaml"
     submit: str = "sbatch --nodes {nodes}"  # how a job starts there (then submit_multinode.sh SCRIPT ...)
     sbatch_options: str = ""  # further sbatch options every job there needs (--mem ...), after submit
+    hbm_bandwidth: float = 0.0  # per GPU, B/s: the per-class compute model (utils/plan/compute.py); 0: efficiency
 
     def submit_line(self, nodes: int) -> str:
         """The command that starts a job of ``nodes`` nodes there, up to the job script."""
@@ -116,7 +117,8 @@ def load_cluster(name: str, path: Optional[Path] = None) -> Cluster:
                        float(entry["network_gbps"]) * 1e9, float(entry["latency_us"]) * 1e-6,
                        dict(entry["efficiency"]), _shown(Path(path) if path else CLUSTER_FILE),
                        str(entry.get("submit", Cluster.submit)),
-                       str(entry.get("sbatch_options", Cluster.sbatch_options)))
+                       str(entry.get("sbatch_options", Cluster.sbatch_options)),
+                       float(entry.get("hbm_gbps", 0.0)) * 1e9)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"cluster {name!r}: a field is not a number ({e}): see the fields in {_shown(CLUSTER_FILE)}") \
             from None

@@ -27,7 +27,7 @@ from utils.memory.shapes import has_description, input_size, model_shape
 from utils.memory.traced import CannotTrace, estimate_traced
 from utils.observe.flops import train_flops_per_sample
 from utils.plan.clusters import CPU_EFFICIENCY, THIS_MACHINE, Cluster, measured_efficiency, remember_efficiency
-from utils.layouts.accepted import Layout, enumerate_layouts, meta_model
+from utils.layouts.accepted import Layout, enumerate_layouts, layout_config, meta_model
 from utils.plan.speed import AC_RECOMPUTE, Speed, predict_speed
 
 USABLE = 0.95  # of a GPU's memory; the rest for what the estimate leaves out (see the module docstring)
@@ -144,22 +144,47 @@ def plan(cfg: Config, cluster: Cluster, nodes: int, batch_sizes: Optional[list[i
     flops, grads, units = model_facts(cfg)
     cluster = calibrated(cluster, cfg, flops, world)
     rows = []
-    # A model without a hand-written description: each layout's step traced on fake tensors (a second or two each).
-    estimate = estimate_memory if has_description(cfg.model) else estimate_traced
     for layout, layout_cfg in enumerate_layouts(cfg, world, cluster.gpus_per_node, units, batch_sizes):
         try:
-            memory = estimate(layout_cfg, world, STRATEGY[layout.strategy], device_type=cluster.device)
+            rows.append(_row(cfg, layout, layout_cfg, cluster, nodes, flops, grads, user_args))
         except CannotTrace:  # the model itself: one line for the whole plan
             raise
         except ConfigError:  # the batch over dp, the bands, tp/cp/pp untraced: what the scripts (or estimate) refuse
             continue
-        speed = predict_speed(layout, layout_cfg, cluster, flops, grads)
-        rows.append(Row(layout, memory, speed, cluster.memory_bytes,
-                        command(cfg, layout, cluster, nodes, list(user_args or []))))
     # Within 1 % of each other (the model's resolution at best), the simpler layout first, then the smaller one.
     rows.sort(key=lambda r: (not r.fits, -round(math.log(r.speed.samples_per_sec) / math.log(1.01)),
                              SIMPLER.index(r.layout.strategy), r.gb))
     return rows
+
+
+def _row(cfg: Config, layout: Layout, layout_cfg: Config, cluster: Cluster, nodes: int, flops: float, grads: list[int],
+         user_args) -> Row:
+    """One layout's memory, step and command (ConfigError where the estimate refuses it)."""
+    if not layout.runs_here:  # a publication's layout: DDP over dp beside tp/cp, tp without sequence parallelism
+        memory = estimate_memory(layout_cfg, layout.world, "ddp" if layout.ddp_beside_mp else STRATEGY[layout.strategy],
+                                 device_type=cluster.device, sequence_parallel=layout.sequence_parallel,
+                                 ddp_beside_mp=layout.ddp_beside_mp)
+        run = "(not run by this project's scripts: a published layout, modelled)"
+    else:  # a model without a hand-written description: each layout's step traced on fake tensors (a second or two)
+        estimate = estimate_memory if has_description(cfg.model) else estimate_traced
+        memory = estimate(layout_cfg, layout.world, STRATEGY[layout.strategy], device_type=cluster.device)
+        run = command(cfg, layout, cluster, nodes, list(user_args or []))
+    speed = predict_speed(layout, layout_cfg, cluster, flops, grads)
+    return Row(layout, memory, speed, cluster.memory_bytes, run)
+
+
+def plan_layout(cfg: Config, cluster: Cluster, nodes: int, layout: Layout) -> Row:
+    """The plan of one layout given in full (its world, batch, precision, ac, tp/cp/pp), also one the scripts do
+    not run but a publication did (``Layout.ddp_beside_mp``, ``sequence_parallel`` False): what
+    benchmarks/plan_vs_published.py compares with each published figure, like with like."""
+    world = nodes * cluster.gpus_per_node
+    if layout.world != world:
+        raise ConfigError(f"the layout has {layout.world} ranks, {nodes} node(s) of {cluster.name} {world}")
+    flops, grads, _ = model_facts(cfg)
+    cluster = calibrated(cluster, cfg, flops, world)
+    layout_cfg = layout_config(cfg, layout)
+    return _row(cfg, dataclasses.replace(layout, overrides=layout.keys()), layout_cfg, cluster, nodes, flops, grads,
+                None)
 
 
 def why_it_wins(rows: list[Row]) -> str:

@@ -2,9 +2,11 @@
 
     step = compute + exposed communication (+ the bubble of a pipeline)
 
-* compute = FLOPs per sample (forward + backward, utils/observe/flops.py; x 4/3 with activation checkpointing,
-  which runs each forward twice) x global batch / GPUs / (peak x efficiency), the peak of the layout's precision
-  and the cluster's efficiency for the model and precision (config/clusters/clusters.yaml);
+* compute, on a cluster that gives its GPUs' memory bandwidth: the per-kernel-class model of utils/plan/compute.py
+  for the rank's share (its replica's samples, its tp x cp x pp part of each; without sequence parallelism every
+  tp rank does the norms whole), x 4/3 with activation checkpointing, which runs each forward twice; elsewhere
+  (this-machine, a cluster without hbm_gbps): FLOPs per sample (forward + backward, utils/observe/flops.py) x global
+  batch / GPUs / (peak x efficiency), the cluster's efficiency for the model and precision;
 * each layout's collectives with their bytes, timed by the ring model of utils/plan/comm.py at the bandwidth of the
   links they cross (tensor parallelism stays in a node; the dp groups cross the network when there are several
   nodes, sharing each node's NICs with the other dp groups of that node);
@@ -35,6 +37,7 @@ from utils.parallel.pipeline_parallel import bubble_theory
 from utils.plan.clusters import Cluster
 from utils.plan.comm import (ddp_buckets, node_busbw, predict_step, ring_allgather_seconds, ring_allreduce_seconds,
                              traffic_seconds)
+from utils.plan.compute import step_seconds
 from utils.layouts.accepted import PRECISIONS, Layout
 
 MiB = 2**20
@@ -69,10 +72,18 @@ def predict_speed(layout: Layout, cfg, cluster: Cluster, flops_per_sample: float
     """The step of ``layout`` (its config ``cfg``) on ``cluster``: see the module docstring for each term.
     ``grad_bytes``: fp32 gradient bytes per parameter tensor, in the order backward produces them."""
     key = precision_key(layout)
-    rate = cluster.peak_flops[key] * cluster.efficiency_of(cfg.model.model, key)
     world, batch = layout.world, layout.batch_size
-    ideal = flops_per_sample * batch / world / rate
-    compute = ideal * (AC_RECOMPUTE if layout.ac != "none" else 1.0)
+    if cluster.hbm_bandwidth:  # per kernel class (utils/plan/compute.py): each rank its replica's share of the work
+        step = lambda samples, split, norms: step_seconds(  # noqa: E731
+            cfg, samples, key, cluster.peak_flops[key], cluster.hbm_bandwidth, split, norms)
+        model_parallel = layout.tp * layout.cp * layout.pp
+        ideal = step(batch, 1, 1) / world
+        share = step(batch / layout.dp, model_parallel, model_parallel if layout.sequence_parallel
+                     else model_parallel / layout.tp)
+    else:
+        ideal = share = flops_per_sample * batch / world / (cluster.peak_flops[key]
+                                                            * cluster.efficiency_of(cfg.model.model, key))
+    compute = share * (AC_RECOMPUTE if layout.ac != "none" else 1.0)
     g = cluster.gpus_per_node
     nodes = max(1, world // g)
     lat = cluster.latency_s
@@ -86,9 +97,9 @@ def predict_speed(layout: Layout, cfg, cluster: Cluster, flops_per_sample: float
     grads = sum(grad_bytes)
     terms: dict[str, float] = {}
 
-    if layout.strategy == "ddp":
-        p = predict_step(compute, BACKWARD_SHARE * compute, ddp_buckets(grad_bytes, cfg.dist.bucket_cap_mb * MiB),
-                         world, dp_bw, lat)
+    if layout.strategy == "ddp" or layout.ddp_beside_mp:  # (beside tp: each tp rank's share, over the dp ranks)
+        buckets = ddp_buckets([b / layout.tp for b in grad_bytes], cfg.dist.bucket_cap_mb * MiB)
+        p = predict_step(compute, BACKWARD_SHARE * compute, buckets, layout.dp, dp_bw, lat)
         terms["gradient all-reduce"] = p["comm_s"]
         exposed_dp = p["exposed_s"]
     elif layout.strategy in ("fsdp", "hsdp", "mp"):
