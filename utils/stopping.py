@@ -181,10 +181,14 @@ class StepWatchdog:
                 self._end(idle)
 
     def _end(self, idle: float) -> None:
+        # The line waits for the store's answer: the backstop, armed for 1.9 x the timeout since the last kick, moves
+        # past that wait (bounded still), or on a loaded machine it ended the rank first, without the line.
+        grace = min(2.0, self._timeout_s / 4)
+        faulthandler.dump_traceback_later(grace + STORE_ANSWER_S + 1.0, exit=True, file=self._file)
         frames = _waiting_frames()
         line = (f"[rank {self._rank}] error: {_where(frames, 'a wait')} has not returned for {idle:.0f} s "
                 f"({HANG_EXIT_FRACTION:g} x --dist_timeout_s {self._timeout_s:g})")
-        line += _naming(_ranks_not_answering(grace_s=min(2.0, self._timeout_s / 4)))
+        line += _naming(_ranks_not_answering(grace_s=grace))
         print(line + "; this rank ends itself (exit 1: torchrun --max-restarts restarts the job); each rank's "
               "Python stack is in <run_dir>/stacks/ (a step that is just slow needs a larger --dist_timeout_s)",
               file=sys.stderr, flush=True)
@@ -304,8 +308,11 @@ def _ranks_not_answering(grace_s: float) -> list[int]:
             store = dist.distributed_c10d._get_default_store()
             store.set_timeout(datetime.timedelta(seconds=grace_s + 3))
             store.set(f"timed_out/{dist.get_rank()}", "1")
-            time.sleep(grace_s)
-            found.append([rank for rank in range(dist.get_world_size()) if not store.check([f"timed_out/{rank}"])])
+            keys = [f"timed_out/{rank}" for rank in range(dist.get_world_size())]
+            until = time.monotonic() + grace_s
+            while not store.check(keys) and time.monotonic() < until:  # done as soon as every rank has noted itself
+                time.sleep(0.05)
+            found.append([rank for rank, key in enumerate(keys) if not store.check([key])])
         except Exception:  # the store's host has gone: nobody can be named
             found.append([])
 
