@@ -54,6 +54,19 @@ class StagePlan:
 
 
 @dataclass(frozen=True)
+class FusedQKV:
+    """One attention whose q, k and v are one Linear, split by rows and regrouped by heads (tensor parallelism)."""
+
+    qkv: Any
+    """The Linear whose output columns are q | k | v, each ``heads`` x ``head_dim``."""
+    heads: int
+    head_dim: int
+    by_head: Callable[[Any], None] = lambda mesh: None
+    """tp mesh -> None: shards the attention's other per-head parameters over it (SwinIR's relative-position bias
+    table), so that each rank holds those of its own heads."""
+
+
+@dataclass(frozen=True)
 class TensorParallelPlan:
     """How tensor parallelism splits a model (utils/parallel/tensor_parallel.py applies it)."""
 
@@ -61,8 +74,8 @@ class TensorParallelPlan:
     """model -> {module name: ParallelStyle} for ``parallelize_module``."""
     heads: Callable[[Any], list[int]]
     """The head count of each attention: every one must divide by tp (each rank holds whole heads)."""
-    fused_qkv: Callable[[Any], list[Any]] = lambda model: []
-    """Attention modules whose q, k and v are one Linear: split by rows, then regrouped by heads."""
+    fused_qkv: Callable[[Any], list[FusedQKV]] = lambda model: []
+    """model -> its attentions whose q, k and v are one Linear: split by rows, then regrouped by heads."""
     local_output: bool = False
     """Replicated modules hand plain tensors on (the model's code between layers expects them)."""
 
@@ -89,8 +102,10 @@ class FieldPlan:
     rows: Callable[[dict], int]
     """The model's arguments (model_args) -> the rows a band is a multiple of (SwinIR: its attention window)."""
     shifted: Callable[[Any], list[Any]] = lambda model: []
-    """model -> the shifted-window blocks: each has ``roll(x, shift)`` (its cyclic shift of (B, H, W, C)),
-    ``attention_mask(H, W, x)`` and ``window_size``, which the technique replaces by their band versions."""
+    """model -> the shifted-window blocks: each has ``roll(x, shift)`` (its cyclic shift of (B, H, W, C)) and
+    ``attention_mask(H, W, x)``, which the technique replaces by their band versions."""
+    window: Callable[[Any], int] = lambda block: 1
+    """A shifted-window block -> the rows of its window (its mask's windows)."""
     refuse: Callable[[Any], Optional[str]] = lambda model: None
     """model -> why this built model cannot be split (one line with the fix), or None."""
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from functools import partial
+from types import SimpleNamespace
 from typing import Optional
 
 from torch import nn
+from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from models.spec import (FIELD_TASKS, FieldPlan, ModelPlan, ModelSpec, StagePlan, TensorParallelPlan, check_heads,
+from models.spec import (FIELD_TASKS, FieldPlan, FusedQKV, ModelPlan, ModelSpec, StagePlan, TensorParallelPlan, check_heads,
                          register)
 
 from . import network
@@ -29,6 +32,23 @@ def swinir_styles(model: nn.Module) -> dict:
         elif isinstance(module, network.SwinTransformerBlock):
             plan.update({f"{name}.mlp.fc1": ColwiseParallel(), f"{name}.mlp.fc2": RowwiseParallel()})
     return plan
+
+
+def bias_table_by_head(attn: nn.Module, mesh) -> None:
+    """This rank's heads are its columns of the relative-position bias table, looked up by the model's own method on
+    the local shard (PyTorch has no parallel style for a table read by index)."""
+    table = attn.relative_position_bias_table
+    attn.register_parameter("relative_position_bias_table",
+                            nn.Parameter(distribute_tensor(table.data, mesh, [Shard(1)])))
+    method = type(attn).relative_position_bias
+    attn.relative_position_bias = lambda: method(SimpleNamespace(
+        relative_position_bias_table=attn.relative_position_bias_table.to_local(),
+        relative_position_index=attn.relative_position_index))
+
+
+def fused_qkv(model: nn.Module) -> list[FusedQKV]:
+    return [FusedQKV(b.attn.qkv, b.attn.num_heads, b.attn.head_dim, partial(bias_table_by_head, b.attn))
+            for b in model.swin_blocks()]
 
 
 def refuse_bands(model: nn.Module) -> Optional[str]:
@@ -58,9 +78,10 @@ SPEC = register(ModelSpec(
     ModelPlan(
         units={"block": lambda model: model.blocks(), "layer": lambda model: model.rstb_layers()},
         tp=TensorParallelPlan(swinir_styles, heads=lambda model: [b.attn.num_heads for b in model.swin_blocks()],
-                              fused_qkv=lambda model: [b.attn for b in model.swin_blocks()], local_output=True),
+                              fused_qkv=fused_qkv, local_output=True),
         cp=FieldPlan(rows=lambda model_args: model_args["window_size"],
-                     shifted=lambda model: [b for b in model.swin_blocks() if b.shift_size], refuse=refuse_bands),
+                     shifted=lambda model: [b for b in model.swin_blocks() if b.shift_size],
+                     window=lambda block: block.window_size, refuse=refuse_bands),
         stages=StagePlan("layers", stem=("conv_first", "patch_embed", "absolute_pos_embed", "pos_drop"),
                          tail=("norm", "conv_after_body", "conv_before_upsample", "upsample", "conv_last",
                                "conv_up1", "conv_up2", "conv_hr", "lrelu")),

@@ -212,12 +212,11 @@ def _band_roll(bands: FieldBands, x: torch.Tensor, shift: int) -> torch.Tensor:
     return torch.roll(ring_roll(x, shift, 1, bands), shifts=shift, dims=2)
 
 
-def _band_mask(block: nn.Module, bands: FieldBands, H: int, W: int, x: torch.Tensor) -> torch.Tensor:
+def _band_mask(block: nn.Module, bands: FieldBands, ws: int, H: int, W: int, x: torch.Tensor) -> torch.Tensor:
     """SwinTransformerBlock.attention_mask for a band of H rows: only the field's last window row mixes
     regions of the field vertically, so a band above the last one is masked as the top of a taller field."""
     if bands.last:
         return type(block).attention_mask(block, H, W, x)
-    ws = block.window_size
     return type(block).attention_mask(block, H + ws, W, x)[:(H // ws) * (W // ws)]
 
 
@@ -253,7 +252,7 @@ def apply_domain_parallel(model: nn.Module, cp_mesh) -> nn.Module:
             _halo_conv(module, bands)
     for block in plan.shifted(model):
         block.roll = functools.partial(_band_roll, bands)
-        block.attention_mask = functools.partial(_band_mask, block, bands)
+        block.attention_mask = functools.partial(_band_mask, block, bands, plan.window(block))
     return model
 
 

@@ -24,13 +24,12 @@ the optimizer see one kind of tensor.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
+from models.spec import FusedQKV
 from utils.config import ConfigError
 from utils.parallel.plans import missing_plan, model_plan
 from utils.parallel.versions import replicated_convolutions_locally
@@ -42,31 +41,22 @@ APPLIED_BY = {
 }
 
 
-def _heads_of_this_rank(attn: nn.Module, mesh) -> None:
+def _heads_of_this_rank(attn: FusedQKV, mesh) -> None:
     """After qkv: (windows, N, 3 * D) sharded by columns -> this rank's heads of q, k and v, a local tensor.
 
     The output is all-gathered and re-split by heads (one all-gather per block that Megatron's layout
     avoids by permuting qkv's rows, which would change the checkpoint layout). In backward, the head
-    gradients are all-gathered back, so every rank gets the whole gradient of its column shard.
+    gradients are all-gathered back, so every rank gets the whole gradient of its column shard. The
+    attention's other per-head parameters are the plan's to shard (``by_head``).
     """
-    heads = attn.num_heads
-
     def regroup(_module, _args, out):
         full = out.redistribute(placements=[Replicate()])
         B_, N, _ = full.shape
-        mine = full.view(B_, N, 3, heads, attn.head_dim).redistribute(placements=[Shard(3)]).to_local()
+        mine = full.view(B_, N, 3, attn.heads, attn.head_dim).redistribute(placements=[Shard(3)]).to_local()
         return mine.flatten(2)
 
     attn.qkv.register_forward_hook(regroup)
-    # The relative-position bias: this rank's heads are its columns of the table, looked up by the
-    # model's own method on the local shard (PyTorch has no parallel style for a table read by index).
-    table = attn.relative_position_bias_table
-    attn.register_parameter("relative_position_bias_table",
-                            nn.Parameter(distribute_tensor(table.data, mesh, [Shard(1)])))
-    method = type(attn).relative_position_bias
-    attn.relative_position_bias = lambda: method(SimpleNamespace(
-        relative_position_bias_table=attn.relative_position_bias_table.to_local(),
-        relative_position_index=attn.relative_position_index))
+    attn.by_head(mesh)
 
 
 def check_heads(heads: int, tp: int) -> None:
