@@ -16,9 +16,8 @@ import torch
 import xarray as xr
 
 import evaluate
-import predict
 from tests.conftest import run_script
-from tests.test_predict import _kill_after, run_predict, store_bytes
+from tests.test_predict import _kill_after, predict_main, run_predict, store_bytes
 from tests.test_train import expect_error_in_process
 from utils.config import EnsembleConfig
 from utils.predict.ensemble import Ensemble, SphereSmoother
@@ -39,12 +38,7 @@ def ensemble_args(checkpoint, out, *extra: str) -> list[str]:
 def ensemble_store(vit_reference, tmp_path_factory):
     """8 members of the tiny ViT from 3 initial times, 2 steps each, spherical noise (stdout dropped)."""
     out = tmp_path_factory.mktemp("ensemble") / "ens.zarr"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert predict.main([*ensemble_args(vit_reference, out), "--progress", "never", "--device", "cpu"]) == 0
-    finally:
-        torch.set_num_threads(threads)
+    assert predict_main(*ensemble_args(vit_reference, out)) == 0
     return out
 
 

@@ -39,14 +39,19 @@ SR_VARIABLES = {"kinetic_energy_10_m", "2m_temperature", "total_column_water_vap
 ROWS, COLS = 64, 128  # tiny_data's 65x128 fields, the last row dropped
 
 
-def run_predict(capsys, *args: str) -> str:
-    """predict.py's main in this process, on one thread as the subprocess runs (the same bits); its stdout."""
+def predict_main(*args: str) -> int:
+    """predict.py's main in this process, on one thread as the subprocess runs (the same bits); its exit code."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert predict.main([*args, "--progress", "never", "--device", "cpu"]) == 0
+        return predict.main([*args, "--progress", "never", "--device", "cpu"])
     finally:
         torch.set_num_threads(threads)
+
+
+def run_predict(capsys, *args: str) -> str:
+    """predict_main, which must succeed; its stdout."""
+    assert predict_main(*args) == 0
     return capsys.readouterr().out
 
 
@@ -64,13 +69,7 @@ def store_bytes(path: Path) -> dict[str, bytes]:
 def sr_store(reference_run, tmp_path_factory):
     """The first 3 validation times of the tiny SwinIR, whole fields, in Zarr (stdout dropped)."""
     out = tmp_path_factory.mktemp("predict") / "sr.zarr"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert predict.main(["--checkpoint", str(reference_run), "--out", str(out), "--times", "0:3",
-                             "--progress", "never", "--device", "cpu"]) == 0
-    finally:
-        torch.set_num_threads(threads)
+    assert predict_main("--checkpoint", str(reference_run), "--out", str(out), "--times", "0:3") == 0
     return out
 
 
@@ -266,12 +265,7 @@ def test_stopped_killed_and_finished_equals_uninterrupted_and_two_ranks_equal_on
     run_predict(capsys, *common, "--out", str(tmp_path / "once.zarr"))
     out, progress = tmp_path / "resumed.zarr", tmp_path / ".resumed.zarr.progress"
     with _stop_on_unit(3):
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            assert predict.main([*common, "--out", str(out), "--progress", "never", "--device", "cpu"]) == 75
-        finally:
-            torch.set_num_threads(threads)
+        assert predict_main(*common, "--out", str(out)) == 75
     assert "stopped by SIGTERM" in capsys.readouterr().out and not out.exists()
     stopped_at = len(list(progress.glob("unit_*")))  # the unit in flight when the signal came is finished too
     assert 3 <= stopped_at <= 5
